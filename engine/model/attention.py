@@ -1,0 +1,96 @@
+"""Paged attention, torch reference implementation (the CPU path).
+
+KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+Each step writes the new tokens' K/V into their slots first, then every query attends
+over its request's slots — so a request whose prefix was computed earlier, in another
+step or by another request (prefix cache), reads it from the cache like its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """Queries [start, end) of one request attending to `slots` (its whole context)."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [context_len] int64 slot ids
+    causal_mask: torch.Tensor | None  # [query_len, context_len] bool, None when query == context
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query reads, for one step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * block_size + offset)
+    decode_index: torch.Tensor | None  # [num_decodes] int64: token index of each single-token query
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64, padded with slot 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, None if no padding
+    prefills: tuple[PrefillSpan, ...]
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[2, num_slots, num_kv_heads, head_dim]; fp8 caches are viewed as uint8, because CPU
+    index kernels do not take fp8 (values are converted on the way in and out)."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    return flat.view(torch.uint8) if kv_cache.dtype in _FP8 else flat
+
+
+def _to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(cache_dtype)
+    return x.view(torch.uint8) if cache_dtype in _FP8 else x
+
+
+def _from_cache(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    return (x.view(cache_dtype) if cache_dtype in _FP8 else x).to(dtype)
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v ([num_tokens, num_kv_heads, head_dim]) into their slots (in place)."""
+    flat = _flat(kv_cache)
+    flat[0].index_copy_(0, slot_mapping, _to_cache(k, kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, _to_cache(v, kv_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    Reads K/V from the cache only (write_kv must have run for this step's tokens).
+    """
+    flat = _flat(kv_cache)
+    cache_dtype = kv_cache.dtype
+    out = torch.empty_like(q)
+    if meta.decode_index is not None:
+        assert meta.decode_slots is not None, "decode_index without decode_slots"
+        # [num_decodes, num_kv_heads, max_context, head_dim]
+        k = _from_cache(flat[0][meta.decode_slots], cache_dtype, q.dtype).transpose(1, 2)
+        v = _from_cache(flat[1][meta.decode_slots], cache_dtype, q.dtype).transpose(1, 2)
+        qd = q[meta.decode_index].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[meta.decode_index] = o.squeeze(2)
+    for span in meta.prefills:
+        k = _from_cache(flat[0][span.slots], cache_dtype, q.dtype).transpose(0, 1).unsqueeze(0)
+        v = _from_cache(flat[1][span.slots], cache_dtype, q.dtype).transpose(0, 1).unsqueeze(0)
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, k, v,
+            attn_mask=span.causal_mask,
+            is_causal=span.causal_mask is None and span.end - span.start > 1,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,145 @@
+"""Model runner: turns a scheduler plan into one forward pass and one sampling call.
+
+Owns the device state: weights, the per-layer KV cache tensors, RoPE tables and the
+per-request random generators. Nothing it returns refers to any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.rope import rope_tables
+from engine.model.spec import ModelSpec
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+def allocate_kv_caches(
+    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.cos, self.sin = rope_tables(
+            spec.head_dim, max_model_len, spec.rope_theta, spec.rope_scaling, device
+        )
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        for request_id in plan.finished_ids:
+            self._generators.pop(request_id, None)
+        if plan.is_empty:
+            return RunnerOutput({})
+        # Single-token queries (decodes) first, so they form one batched attention call.
+        decodes = [w for w in plan.scheduled if len(w.token_ids) == 1]
+        prefills = [w for w in plan.scheduled if len(w.token_ids) > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slot_mapping = self._flatten(ordered)
+        meta = self._metadata(decodes, prefills, slot_mapping)
+        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], self.kv_caches, meta)
+
+        sample_rows, last_index, offset = [], [], 0
+        for work in ordered:
+            offset += len(work.token_ids)
+            if work.sample:
+                sample_rows.append(work)
+                last_index.append(offset - 1)
+        if not sample_rows:
+            return RunnerOutput({})
+        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
+        out = self.sampler(logits, [self._sampling_row(w) for w in sample_rows])
+        return RunnerOutput(
+            sampled_token_ids={w.request_id: t for w, t in zip(sample_rows, out.token_ids, strict=True)},
+            logprobs={
+                w.request_id: lp
+                for w, lp in zip(sample_rows, out.logprobs, strict=True)
+                if lp is not None
+            },
+        )
+
+    def _sampling_row(self, work: ScheduledRequest) -> SamplingRow:
+        generator = None
+        if work.params.seed is not None:
+            generator = self._generators.get(work.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(work.params.seed)
+                self._generators[work.request_id] = generator
+        return SamplingRow(
+            params=work.params,
+            prompt_token_ids=work.prompt_token_ids,
+            output_token_ids=work.output_token_ids,
+            stop_token_ids=work.stop_token_ids,
+            generator=generator,
+        )
+
+    def _flatten(self, ordered: Sequence[ScheduledRequest]):
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for work in ordered:
+            ids.extend(work.token_ids)
+            table = work.block_ids
+            for pos in range(work.start_position, work.start_position + len(work.token_ids)):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        return as_tensor(ids), as_tensor(positions), as_tensor(slots)
+
+    def _context_slots(self, work: ScheduledRequest, context_len: int) -> torch.Tensor:
+        bs = self.block_size
+        table = torch.tensor(work.block_ids, dtype=torch.int64, device=self.device)
+        pos = torch.arange(context_len, device=self.device)
+        return table[pos // bs] * bs + pos % bs
+
+    def _metadata(self, decodes, prefills, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        decode_index = decode_slots = decode_mask = None
+        if decodes:
+            context = [w.start_position + 1 for w in decodes]
+            max_context = max(context)
+            max_blocks = -(-max_context // self.block_size)
+            tables = torch.tensor(
+                [list(w.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(w.block_ids), max_blocks)) for w in decodes],
+                dtype=torch.int64, device=self.device,
+            )
+            pos = torch.arange(max_context, device=self.device)
+            decode_slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            decode_index = torch.arange(len(decodes), device=self.device)
+            if min(context) != max_context:
+                lengths = torch.tensor(context, device=self.device)
+                decode_mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
+        spans = []
+        start = len(decodes)
+        for work in prefills:
+            end = start + len(work.token_ids)
+            context_len = work.start_position + len(work.token_ids)
+            mask = None
+            if work.start_position > 0:
+                q_pos = torch.arange(work.start_position, context_len, device=self.device)
+                mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
+            spans.append(PrefillSpan(start, end, self._context_slots(work, context_len), mask))
+            start = end
+        return AttentionMetadata(slot_mapping, decode_index, decode_slots, decode_mask, tuple(spans))

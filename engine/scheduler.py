@@ -1,0 +1,273 @@
+"""Continuous-batching scheduler: decides each step which tokens of which requests run.
+
+One step: `plan = schedule()` -> runner executes it -> `update(plan, result)`.
+Running requests go first (decodes and unfinished prompt chunks), then waiting ones in
+arrival order while the token budget, `max_num_seqs` and free blocks allow. A prompt
+longer than the remaining budget is chunked. When blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.kv_cache.manager import NO_HIT, KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """The work of one request in one step (plain data, no engine objects)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """Tokens whose K/V this step computes."""
+    start_position: int
+    """Position of token_ids[0] (= tokens already computed)."""
+    block_ids: tuple[int, ...]
+    """The request's whole block table after this step's allocation."""
+    sample: bool
+    """True when this chunk ends the known tokens, so the next token is sampled."""
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted_ids: tuple[str, ...] = ()
+    finished_ids: tuple[str, ...] = ()
+    """Requests that ended since the last plan: the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What the runner returns for a plan: one sampled token per `sample` request."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """New tokens of one request after a step, and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: TokenLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache at admission."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found there."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._finished_ids: list[str] = []
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it can never run (too long)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {request.num_prompt_tokens + max_tokens} tokens "
+                f"({request.num_prompt_tokens} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+        if request.num_prompt_tokens >= self.max_model_len or request.num_prompt_tokens == 0:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; it must have between 1 and "
+                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """End requests wherever they are; frees their blocks. Unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def finish(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Move a request to a terminal state and release everything it holds."""
+        assert status in {
+            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+        }, f"finish() needs a terminal status, got {status}"
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self.kv.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # the request itself was preempted; everything after it already was
+            scheduled.append(self._describe(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Admit nothing in a step that had to preempt: blocks are short.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.kv.find_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if self.kv.allocate(request, num_new, hit) is None:
+                break  # FIFO: later requests do not overtake the head of the queue
+            self.waiting.popleft()
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += hit.num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._describe(request, num_new))
+            budget -= num_new
+
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            scheduled=tuple(scheduled),
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_ids=tuple(preempted),
+            finished_ids=finished,
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate for `request`, preempting from the back of `running` until it fits.
+        Returns False when `request` itself had to be preempted."""
+        while self.kv.allocate(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(tokens[start : start + num_new]),
+            start_position=start,
+            block_ids=self.kv.blocks_of(request.request_id).block_ids,
+            sample=start + num_new == len(tokens),
+            params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=tuple(request.output_token_ids),
+            stop_token_ids=request.stop_token_ids,
+        )
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's result: advance computed tokens, append samples, stop requests."""
+        outputs = []
+        for work in plan.scheduled:
+            request = self.requests.get(work.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted after the plan was made
+            request.num_computed_tokens += len(work.token_ids)
+            self.kv.cache_computed(request)
+            if not work.sample:
+                continue
+            token = result.sampled_token_ids[work.request_id]
+            request.output_token_ids.append(token)
+            status, stop_reason = self._check_stop(request)
+            if status is not None:
+                self.finish(request, status, stop_reason)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=(token,),
+                    logprobs=result.logprobs.get(work.request_id),
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request) -> tuple[RequestStatus | None, int | None]:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if request.num_tokens >= self.max_model_len or (
+            params.max_tokens is not None and num_output >= params.max_tokens
+        ):
+            return RequestStatus.FINISHED_LENGTH, None
+        if num_output < params.min_tokens:
+            return None, None
+        token = request.output_token_ids[-1]
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        return None, None

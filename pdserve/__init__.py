@@ -1,0 +1,3 @@
+"""pdserve: command line, launchers and shared settings."""
+
+__version__ = "0.1.0"

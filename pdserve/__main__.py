@@ -1,0 +1,3 @@
+from pdserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""`pdserve` command line: `generate` and `chat` run the engine in this process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.engine_args import add_engine_args, engine_config_from_args
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.sampling_seed,
+    )
+
+
+def _build_llm(args, parser):
+    from engine.llm import LLM
+
+    config = engine_config_from_args(args, parser)
+    return LLM.from_config(config)
+
+
+def cmd_generate(args, parser) -> int:
+    llm = _build_llm(args, parser)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for out in llm.generate(prompts, _sampling_params(args)):
+        print(out.prompt + out.text if args.echo else out.text)
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args, parser) -> int:
+    llm = _build_llm(args, parser)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in {"/exit", "/quit"}:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        [out] = llm.chat(messages, _sampling_params(args))
+        messages.append({"role": "assistant", "content": out.text})
+        print(("assistant> " if interactive else "") + out.text, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", parents=[common], help="complete prompts with the engine in this process")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
+    gen.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", parents=[common], help="chat with the model's chat template (stdin lines)")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.func(args, parser)

@@ -1,0 +1,97 @@
+"""IncrementalDetokenizer on the default model's byte-level BPE vocabulary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.loader.locate import default_model_path
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+STRINGS = json.loads((FIXTURES / "tokenizer_strings.json").read_text(encoding="utf-8"))
+
+GRINNING = [10813, 242, 218]  # "😀" as three byte-level tokens: ðŁ ĺ Ģ
+SPACE_NIHON = [17097, 241, 115, 40993]  # " 日本": Ġæ Ĺ ¥ æľ¬
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(tok) -> list[int]:
+    return tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detok.add([token_id]) for token_id in ids]
+
+
+def test_emoji_over_three_tokens_comes_out_whole_on_the_last(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert stream(detok, GRINNING) == ["", "", "\U0001F600"]
+    assert detok.text == "\U0001F600"
+
+
+def test_cjk_characters_are_emitted_as_each_completes(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert stream(detok, SPACE_NIHON) == ["", "", " 日", "本"]
+
+
+def test_leading_space_of_first_output_token_is_kept(tok):
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello"))
+    assert detok.add(tok.encode(" world")) == " world"
+
+
+def test_special_tokens_are_skipped_by_default(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert stream(detok, tok.encode("Done.<|im_end|>")) == ["Done", ".", ""]
+    assert detok.text == "Done."
+
+
+def test_special_tokens_are_emitted_when_not_skipped(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt, skip_special_tokens=False)
+    assert stream(detok, tok.encode("Done.<|im_end|>")) == ["Done", ".", "<|im_end|>"]
+
+
+def test_adding_many_ids_at_once_returns_their_joined_text(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert detok.add(tok.encode("Hi 😀!")) == "Hi 😀!"
+    assert detok.output_token_ids == tok.encode("Hi 😀!")
+
+
+def test_ids_ending_mid_character_hold_the_character_back(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert detok.add(tok.encode("ok") + GRINNING[:2]) == "ok"
+    assert detok.add(GRINNING[2:]) == "\U0001F600"
+
+
+def test_flush_emits_an_unfinished_character_as_replacement_char(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert detok.add(GRINNING[:1]) == ""
+    assert detok.flush() == "\ufffd"
+    assert detok.text == "\ufffd"
+
+
+def test_empty_prompt_is_allowed(tok):
+    detok = IncrementalDetokenizer(tok, [])
+    assert stream(detok, tok.encode("Hello world")) == ["Hello", " world"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_text_equals_full_decode_for_every_fixture_string(
+    tok, chat_prompt, skip_special_tokens
+):
+    mismatches = []
+    for text in STRINGS:
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok, chat_prompt, skip_special_tokens=skip_special_tokens)
+        streamed = "".join(stream(detok, ids))
+        held_back = detok.flush()
+        if (streamed, held_back) != (tok.decode(ids, skip_special_tokens=skip_special_tokens), ""):
+            mismatches.append(text)
+    assert mismatches == []
