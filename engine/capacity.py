@@ -60,7 +60,9 @@ class KVCapacity:
 
 
 def _kib(n: int) -> str:
-    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
+    if n < 1024:
+        return f"{n} B"
+    return f"{n // 1024} KiB" if n % 1024 == 0 else f"{n / 1024:.1f} KiB"
 
 
 def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
@@ -87,11 +89,13 @@ def plan_capacity(
     capacity = KVCapacity(num_blocks, block_size, per_token, max_model_len)
     if num_blocks < capacity.blocks_per_request:
         need = capacity.blocks_per_request
+        lower = (
+            f", or lower --max-model-len to at most {capacity.num_tokens:,}" if capacity.num_tokens else ""
+        )
         raise ValueError(
             f"KV cache too small: {num_blocks} blocks x {block_size} = {capacity.num_tokens:,} tokens "
             f"({_kib(per_token)}/token) cannot hold one request of max_model_len={max_model_len:,} "
             f"tokens, which needs {need} blocks ({need * capacity.bytes_per_block / 2**20:,.1f} MiB). "
-            "Raise --kv-cache-memory / --gpu-memory-utilization / --num-gpu-blocks-override, "
-            f"or lower --max-model-len to at most {capacity.num_tokens:,}."
+            f"Raise --kv-cache-memory / --gpu-memory-utilization / --num-gpu-blocks-override{lower}."
         )
     return capacity

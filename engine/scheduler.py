@@ -90,6 +90,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
+        if kv.num_blocks < kv.num_blocks_for(max_model_len):
+            # Otherwise a long request could wait forever or keep preempting itself.
+            raise ValueError(
+                f"{kv.num_blocks} KV blocks cannot hold one request of max_model_len={max_model_len}"
+            )
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -32,7 +32,7 @@ _GLOBAL_NAMES = {
 
 def read_gguf_spec(path: Path) -> ModelSpec:
     """The model's shape from GGUF metadata (no tensor data is read)."""
-    from engine.loader.gguf_meta import read_gguf_metadata, read_gguf_tensor_names
+    from engine.loader.gguf_meta import read_gguf_f32_tensor, read_gguf_metadata, read_gguf_tensor_names
 
     fields = read_gguf_metadata(path)
     arch = fields.get("general.architecture")
@@ -48,6 +48,9 @@ def read_gguf_spec(path: Path) -> ModelSpec:
     scaling = RopeScaling()
     if meta("rope.scaling.type") == "linear":
         scaling = RopeScaling(rope_type="linear", factor=float(meta("rope.scaling.factor", 1.0)))
+    freq_factors = read_gguf_f32_tensor(path, "rope_freqs.weight")
+    if freq_factors is not None:  # Llama 3.x: scaling lives in this tensor, not in metadata
+        scaling = RopeScaling(rope_type="freq_factors", freq_factors=tuple(freq_factors))
     eos = fields.get("tokenizer.ggml.eos_token_id")
     return ModelSpec(
         architecture="llama",
@@ -97,8 +100,8 @@ def read_gguf_weights(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
-            if tensor.name.startswith("rope_freqs"):
-                continue  # llama3 scaling factors; recomputed from metadata
+            if tensor.name == "rope_freqs.weight":
+                continue  # read into ModelSpec.rope_scaling by read_gguf_spec
             raise ValueError(f"{path.name}: unexpected tensor {tensor.name!r}")
         data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if name.endswith("q_proj.weight"):

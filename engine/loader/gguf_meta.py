@@ -70,21 +70,50 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return _read(str(path), stat.st_mtime_ns, stat.st_size)
 
 
-def read_gguf_tensor_names(path: str | Path) -> list[str]:
-    """Names of the tensors in the file (reads the tensor info section after the metadata)."""
+_F32 = 0  # ggml type id of float32 tensors
+
+
+def _tensor_infos(path: str | Path) -> tuple[dict[str, tuple[tuple[int, ...], int, int]], int]:
+    """{name: (dims, ggml type, offset in the data section)} and the data section's start."""
     with open(path, "rb") as f:
         f.read(4)
         cur = _Cursor(f)
         cur.unpack("I")
         tensor_count, kv_count = cur.unpack("QQ")
+        alignment = 32
         for _ in range(kv_count):
-            cur.string()
+            key = cur.string()
             (vtype,) = cur.unpack("I")
-            cur.value(vtype)
-        names = []
+            value = cur.value(vtype)
+            if key == "general.alignment":
+                alignment = int(value)
+        infos = {}
         for _ in range(tensor_count):
-            names.append(cur.string())
+            name = cur.string()
             (n_dims,) = cur.unpack("I")
-            cur.unpack(f"{n_dims}Q")
-            cur.unpack("IQ")  # type, offset
-        return names
+            dims = cur.unpack(f"{n_dims}Q")
+            ggml_type, offset = cur.unpack("IQ")
+            infos[name] = (tuple(dims), ggml_type, offset)
+        start = -(-f.tell() // alignment) * alignment
+        return infos, start
+
+
+def read_gguf_tensor_names(path: str | Path) -> list[str]:
+    """Names of the tensors in the file, in file order."""
+    return list(_tensor_infos(path)[0])
+
+
+def read_gguf_f32_tensor(path: str | Path, name: str) -> tuple[float, ...] | None:
+    """A small float32 tensor's values (e.g. `rope_freqs.weight`), or None if absent."""
+    infos, start = _tensor_infos(path)
+    if name not in infos:
+        return None
+    dims, ggml_type, offset = infos[name]
+    if ggml_type != _F32:
+        raise ValueError(f"{path}: tensor {name!r} has ggml type {ggml_type}, expected F32")
+    count = 1
+    for d in dims:
+        count *= d
+    with open(path, "rb") as f:
+        f.seek(start + offset)
+        return struct.unpack(f"<{count}f", f.read(4 * count))

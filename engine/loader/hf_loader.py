@@ -39,7 +39,7 @@ def read_hf_spec(folder: Path) -> ModelSpec:
         rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling=rope_scaling_from_dict(cfg.get("rope_scaling")),
+        rope_scaling=rope_scaling_from_dict(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )

@@ -25,8 +25,12 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Bump when the conversion (names, permutation, dtype) changes, so stale caches are not used.
+CONVERTER_VERSION = 1
+
+
 def cache_path(cache_dir: Path, model_file: Path) -> Path:
-    return cache_dir / "weights" / f"{file_digest(model_file)[:32]}.safetensors"
+    return cache_dir / "weights" / f"{file_digest(model_file)[:32]}-v{CONVERTER_VERSION}.safetensors"
 
 
 def load_cached(path: Path) -> dict[str, torch.Tensor] | None:

@@ -39,7 +39,17 @@ def _llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _freq_factors(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    # llama.cpp's rope_freqs tensor: each frequency divided by its factor.
+    assert scaling.freq_factors is not None, "freq_factors scaling without factors"
+    factors = torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"{factors.numel()} rope freq factors for {inv_freq.numel()} frequencies")
+    return inv_freq / factors
+
+
 RopeInvFreq.register("default", _default)
+RopeInvFreq.register("freq_factors", _freq_factors)
 RopeInvFreq.register("linear", _linear)
 RopeInvFreq.register("llama3", _llama3)
 

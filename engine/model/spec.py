@@ -14,6 +14,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    freq_factors: tuple[float, ...] | None = None
+    """Per-frequency divisors (rope_type "freq_factors"): how llama.cpp GGUFs carry Llama 3 scaling."""
 
 
 @dataclass(frozen=True)

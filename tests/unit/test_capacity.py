@@ -87,7 +87,7 @@ def test_plan_capacity_for_2_gib_of_fp8_kv_cache():
     # 2 GiB // (11520 B x 16) = 11650 blocks
     assert capacity.num_blocks == 11650
     assert capacity.log_line() == (
-        "KV cache: 11650 blocks x 16 = 186,400 tokens (11 KiB/token); "
+        "KV cache: 11650 blocks x 16 = 186,400 tokens (11.2 KiB/token); "
         "max concurrency at 2,048 tokens/request: 91.0x"
     )
 
