@@ -14,20 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from engine.capacity import KVCapacity, plan_capacity, weights_bytes
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from engine.device import (
-    available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
-)
-from engine.kv_cache.manager import KVCacheManager
-from engine.loader.model_loader import load_model
-from engine.loader.weights_cache import default_cache_dir
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, allocate_kv_caches
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,68 +28,40 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_threads = set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        cache_dir = config.weights_cache_dir or default_cache_dir()
-        from pathlib import Path
-
-        loaded = load_model(config.model, self.dtype, self.device, Path(cache_dir))
-        self.model_path = loaded.path
-        self.spec = loaded.spec
-        self.load_seconds = loaded.load_seconds
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or loaded.path)
-        self.max_model_len = self._max_model_len()
-        kv_name, kv_torch_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.capacity: KVCapacity = plan_capacity(
-            self.spec,
-            kv_dtype=kv_name,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            kv_budget_bytes=self._kv_budget_bytes(),
-            num_blocks_override=config.num_gpu_blocks_override,
-        )
-        logger.info(self.capacity.log_line())
-        kv_caches = allocate_kv_caches(
-            self.spec, self.capacity.num_blocks, config.block_size, kv_torch_dtype, self.device
-        )
-        self.runner = ModelRunner(
-            loaded.module, self.spec, kv_caches, config.block_size, self.max_model_len, self.device
-        )
-        self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
-        )
+        self.core = EngineCore(config)
+        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or self.core.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.spec.eos_token_ids)
+        self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.core.spec.eos_token_ids)
         self._deferred: dict[str, list[Request]] = {}
+
+    # The core's parts, for callers that inspect the engine (tests, metrics).
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def kv(self):
+        return self.core.kv
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def spec(self):
+        return self.core.spec
+
+    @property
+    def capacity(self):
+        return self.core.capacity
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or self.model_path.stem
-
-    def _max_model_len(self) -> int:
-        limit = self.spec.max_position_embeddings
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(
-                f"max_model_len={wanted} is longer than the model's context length ({limit})"
-            )
-        return wanted
-
-    def _kv_budget_bytes(self) -> int | None:
-        cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            return None
-        if cfg.kv_cache_memory is not None:
-            return cfg.kv_cache_memory
-        if self.device.type == "cpu" and cfg.gpu_memory_utilization is None:
-            return DEFAULT_CPU_KV_CACHE_MEMORY
-        share = cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        # The weights are already resident, so budget = share of what was there before them.
-        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."))
-        total = available_memory_bytes(self.device) + weights
-        return max(int(total * share) - weights, 0)
+        return self.config.served_model_name or self.core.model_path.stem
 
     # ------------------------------------------------------------------ intake
     def add_request(
@@ -143,9 +107,7 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- loop
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
-        core_outputs = self.scheduler.update(plan, result)
+        core_outputs = self.core.step()
         self._release_deferred()
         outputs, stopped = self.output_processor.process(core_outputs)
         for child_id, stop_string in stopped.items():

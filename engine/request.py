@@ -5,6 +5,9 @@
        +----- PREEMPTED <----+   (blocks ran out: blocks freed, recomputed later)
     any non-terminal state --abort--> FINISHED_ABORTED
 
+    Decode worker: reserve --> WAITING_FOR_REMOTE_KV --commit--> RUNNING
+    (blocks are reserved for a prompt another worker computes and sends).
+
 The scheduler owns `Request` objects; everything that leaves the engine core is a
 frozen copy (`engine.outputs`).
 """
@@ -22,6 +25,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

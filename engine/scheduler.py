@@ -73,6 +73,16 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode worker reserved for a prompt computed elsewhere."""
+
+    num_cached_tokens: int
+    """Prompt tokens already in this worker's prefix cache (a multiple of the block size)."""
+    block_ids: tuple[int, ...]
+    """Blocks to fill, in order, for the prompt tokens after the cached ones."""
+
+
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
@@ -89,6 +99,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        hold_finished_blocks: bool = False,
     ) -> None:
         if kv.num_blocks < kv.num_blocks_for(max_model_len):
             # Otherwise a long request could wait forever or keep preempting itself.
@@ -104,6 +115,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
+        self.hold_finished_blocks = hold_finished_blocks
+        """Prefill worker: finished requests keep their blocks until release_held()."""
+        self.held: set[str] = set()
+        self.reserved: dict[str, Request] = {}
+        """Decode worker: requests whose prompt KV is being computed elsewhere."""
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -131,6 +147,7 @@ class Scheduler:
         """End requests wherever they are; frees their blocks. Unknown ids are ignored."""
         aborted = []
         for request_id in request_ids:
+            self.release_held(request_id)
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
@@ -144,16 +161,74 @@ class Scheduler:
         }, f"finish() needs a terminal status, got {status}"
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.reserved[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        self.kv.free(request.request_id)
+        if self.hold_finished_blocks and status != RequestStatus.FINISHED_ABORTED:
+            self.held.add(request.request_id)  # the worker exports them, then releases
+        else:
+            self.kv.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
 
+    def held_block_ids(self, request_id: str) -> tuple[int, ...]:
+        if request_id not in self.held:
+            raise KeyError(f"request {request_id!r} holds no finished blocks")
+        return self.kv.blocks_of(request_id).block_ids
+
+    def release_held(self, request_id: str) -> None:
+        """Free a finished request's held blocks (idempotent)."""
+        if request_id in self.held:
+            self.held.discard(request_id)
+            self.kv.free(request_id)
+
+    # ----------------------------------------------------- remote prefill (decode)
+    def reserve(self, request: Request) -> Reservation | None:
+        """Reserve blocks for a prompt another worker computes; None when they are not
+        free now or the batch is full (nothing is taken then)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.running) + len(self.reserved) >= self.max_num_seqs:
+            return None
+        hit = self.kv.find_prefix(request)
+        blocks = self.kv.allocate(request, request.num_prompt_tokens - hit.num_tokens, hit)
+        if blocks is None:
+            return None
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += hit.num_tokens
+        request.num_cached_tokens = hit.num_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return Reservation(hit.num_tokens, blocks.block_ids[len(hit.blocks):])
+
+    def commit(self, request_id: str, first_token_id: int) -> EngineCoreOutput | None:
+        """The reserved blocks now hold the prompt's KV: append the first token (sampled
+        by the prefill worker) and start decoding. Returns an output only when that first
+        token already ends the request. Raises KeyError for an unknown reservation."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.kv.cache_computed(request)
+        request.output_token_ids.append(first_token_id)
+        self.running.append(request)
+        status, stop_reason = self._check_stop(request)
+        if status is None:
+            return None
+        self.finish(request, status, stop_reason)
+        return EngineCoreOutput(request_id, (), None, request.finish_reason, request.stop_reason,
+                                request.num_cached_tokens)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(self.kv.blocks_of(r)) for r in self.reserved)
+
     @property
     def has_unfinished(self) -> bool:
+        """Requests to step (reservations waiting for remote KV need no step)."""
         return bool(self.waiting or self.running)
 
     # ---------------------------------------------------------------- schedule

@@ -169,7 +169,7 @@ def test_fp8_kv_cache_serves_requests(tiny_model_dir):
 
 
 def test_capacity_log_line_reports_blocks_tokens_and_concurrency(tiny_model_dir, caplog):
-    caplog.set_level("INFO", logger="engine.engine")
+    caplog.set_level("INFO", logger="engine.core")
     # tiny model: 2 layers x 2 kv heads x 16 dims x 2 (K,V) x 4 bytes = 512 bytes/token.
     tiny_llm(tiny_model_dir, num_gpu_blocks_override=None, kv_cache_memory=1 << 20, max_model_len=256)
     assert "KV cache: 128 blocks x 16 = 2,048 tokens (512 B/token); " \

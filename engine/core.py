@@ -1,0 +1,176 @@
+"""EngineCore: the model, its KV cache, the scheduler and the runner — tokens in, tokens out.
+
+    step():  plan = scheduler.schedule() -> result = runner.execute(plan)
+             -> outputs = scheduler.update(plan, result)
+
+Workers drive an EngineCore directly (the router detokenizes); the offline LLMEngine
+adds text, stop strings and n > 1 on top.
+
+Disaggregated modes use the same loop plus two pairs of verbs:
+  prefill worker  hold_finished_blocks=True: a finished request keeps its blocks until
+                  `export_blocks` has packed them and `release_blocks` frees them;
+  decode worker   `reserve_remote` allocates blocks for a prompt computed elsewhere,
+                  `import_blocks` + `commit_remote` fill them and start decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.capacity import KVCapacity, plan_capacity, weights_bytes
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.device import (
+    available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
+)
+from engine.kv_cache.manager import KVCacheManager
+from engine.loader.model_loader import load_model
+from engine.loader.weights_cache import default_cache_dir
+from engine.request import Request
+from engine.runner import ModelRunner, allocate_kv_caches
+from engine.scheduler import EngineCoreOutput, Reservation, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """A snapshot of what the core holds (for load reports and metrics)."""
+
+    total_blocks: int
+    free_blocks: int
+    reserved_blocks: int
+    cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    queued_prefill_tokens: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hold_finished_blocks: bool = False) -> None:
+        self.config = config
+        self.num_threads = set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        cache_dir = Path(config.weights_cache_dir or default_cache_dir())
+        loaded = load_model(config.model, self.dtype, self.device, cache_dir)
+        self.model_path = loaded.path
+        self.spec = loaded.spec
+        self.load_seconds = loaded.load_seconds
+        self.max_model_len = self._max_model_len()
+        kv_name, kv_torch_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype_name = kv_name
+        self.capacity: KVCapacity = plan_capacity(
+            self.spec,
+            kv_dtype=kv_name,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            kv_budget_bytes=self._kv_budget_bytes(),
+            num_blocks_override=config.num_gpu_blocks_override,
+        )
+        logger.info(self.capacity.log_line())
+        kv_caches = allocate_kv_caches(
+            self.spec, self.capacity.num_blocks, config.block_size, kv_torch_dtype, self.device
+        )
+        self.runner = ModelRunner(
+            loaded.module, self.spec, kv_caches, config.block_size, self.max_model_len, self.device
+        )
+        self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            hold_finished_blocks=hold_finished_blocks,
+        )
+
+    def _max_model_len(self) -> int:
+        limit = self.spec.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(
+                f"max_model_len={wanted} is longer than the model's context length ({limit})"
+            )
+        return wanted
+
+    def _kv_budget_bytes(self) -> int | None:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return None
+        if cfg.kv_cache_memory is not None:
+            return cfg.kv_cache_memory
+        if self.device.type == "cpu" and cfg.gpu_memory_utilization is None:
+            return DEFAULT_CPU_KV_CACHE_MEMORY
+        share = cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        # The weights are already resident, so budget = share of what was there before them.
+        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."))
+        total = available_memory_bytes(self.device) + weights
+        return max(int(total * share) - weights, 0)
+
+    # ------------------------------------------------------------------ loop
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: Sequence[str]) -> list[Request]:
+        return self.scheduler.abort(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_ids:
+            return []
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------ prefill worker side
+    def export_blocks(self, request_id: str, first_block: int = 0) -> torch.Tensor:
+        """Copy of a held request's blocks from `first_block` on, all layers:
+        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        block_ids = self.scheduler.held_block_ids(request_id)[first_block:]
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return torch.stack([cache.index_select(1, index) for cache in self.runner.kv_caches])
+
+    def release_blocks(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+
+    # ------------------------------------------------------- decode worker side
+    def reserve_remote(self, request: Request) -> Reservation | None:
+        return self.scheduler.reserve(request)
+
+    def import_blocks(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
+        """Write a received [num_layers, 2, n, block_size, heads, head_dim] payload into blocks."""
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        for layer, cache in enumerate(self.runner.kv_caches):
+            data = payload[layer].to(device=self.device)
+            if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                cache.view(torch.uint8).index_copy_(1, index, data.to(cache.dtype).view(torch.uint8))
+            else:
+                cache.index_copy_(1, index, data.to(cache.dtype))
+
+    def commit_remote(self, request_id: str, first_token_id: int) -> EngineCoreOutput | None:
+        return self.scheduler.commit(request_id, first_token_id)
+
+    # ------------------------------------------------------------------ state
+    def stats(self) -> CoreStats:
+        s = self.scheduler
+        return CoreStats(
+            total_blocks=self.kv.num_blocks,
+            free_blocks=self.kv.num_free_blocks,
+            reserved_blocks=s.num_reserved_blocks,
+            cached_blocks=self.kv.pool.num_cached_blocks,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_reserved=len(s.reserved),
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            num_preemptions=s.stats.num_preemptions,
+            prefix_cache_queries=s.stats.prefix_cache_queries,
+            prefix_cache_hits=s.stats.prefix_cache_hits,
+        )
