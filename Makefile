@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-unit run generate bench clean
+.PHONY: install test test-unit run generate bench proto clean
 
 install: $(STAMP)
 
@@ -25,9 +25,13 @@ test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 run: install
+	$(BIN)/pdserve up
+
+generate: install
 	$(BIN)/pdserve generate "The capital of France is"
 
-generate: run
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto
 
 bench: install
 	$(BIN)/python benchmarks/engine_throughput.py

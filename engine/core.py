@@ -33,6 +33,7 @@ from engine.loader.weights_cache import default_cache_dir
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches
 from engine.scheduler import EngineCoreOutput, Reservation, Scheduler
+from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class EngineCore:
         self.model_path = loaded.path
         self.spec = loaded.spec
         self.load_seconds = loaded.load_seconds
+        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or loaded.path)
+        self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.spec.eos_token_ids)
+        """Tokens that end a request unless ignore_eos (eos and end-of-turn tokens)."""
         self.max_model_len = self._max_model_len()
         kv_name, kv_torch_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.kv_dtype_name = kv_name

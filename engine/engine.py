@@ -20,7 +20,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +29,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.core = EngineCore(config)
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or self.core.model_path)
+        self.tokenizer: Tokenizer = self.core.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.core.spec.eos_token_ids)
+        self.eos_token_ids = self.core.eos_token_ids
         self._deferred: dict[str, list[Request]] = {}
 
     # The core's parts, for callers that inspect the engine (tests, metrics).

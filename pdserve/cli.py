@@ -79,7 +79,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from pdserve.worker_main import add_worker_args, run_worker
+
+    for role, text in (("prefill", "run a prefill worker (gRPC)"), ("decode", "run a decode worker (gRPC)")):
+        worker = sub.add_parser(role, parents=[common], help=text)
+        add_worker_args(worker)
+        worker.set_defaults(func=lambda args, parser, role=role: run_worker(role, args, parser))
+
+    from pdserve.router_main import add_router_args, run_router
+
+    router = sub.add_parser("router", parents=[common], help="run the router (OpenAI HTTP + gRPC)")
+    add_router_args(router)
+    router.set_defaults(func=run_router)
+
+    up = sub.add_parser("up", parents=[common], help="run a whole cluster on this machine")
+    add_up_args(up)
+    up.set_defaults(func=cmd_up)
     return parser
+
+
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    g = up.add_argument_group("cluster")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--colocated", action="store_true",
+                   help="no prefill workers: --decode workers prefill and decode (the baseline)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
+    g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
+    g.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    g.add_argument("--cluster", default="default")
+    g.add_argument("--kv-transfer", default="gloo")
+    g.add_argument("--api-key", default=None)
+    add_engine_args(up)
+
+
+def cmd_up(args, parser) -> int:
+    from pdserve.launcher import run_up
+
+    if args.config is not None:
+        parser.error("pdserve up takes engine flags directly; --config is for single components")
+    return run_up(args)
 
 
 def main(argv: list[str] | None = None) -> int:

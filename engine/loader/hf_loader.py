@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from engine.model import HF_ARCHITECTURES
 from engine.model.spec import ModelSpec, rope_scaling_from_dict
 
@@ -45,13 +43,14 @@ def read_hf_spec(folder: Path) -> ModelSpec:
     )
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_hf_weights(folder: Path) -> dict:
+    """Tensors by HF name (torch tensors; torch is imported only here)."""
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict = {}
     for file in files:
         weights.update(load_file(str(file)))
     return weights

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from engine.loader import weights_cache
-from engine.loader.locate import default_model_path, resolve_model_path
+from engine.loader.locate import resolve_model_path
+from engine.loader.spec_reader import read_spec
 from engine.model import MODEL_FAMILIES
 from engine.model.spec import ModelSpec
 
@@ -25,17 +26,6 @@ class LoadedModel:
     path: Path
     load_seconds: float
     from_cache: bool
-
-
-def read_spec(path: Path) -> ModelSpec:
-    """The model's shape without loading weights (used by capacity planning too)."""
-    if path.is_dir():
-        from engine.loader.hf_loader import read_hf_spec
-
-        return read_hf_spec(path)
-    from engine.loader.gguf_loader import read_gguf_spec
-
-    return read_gguf_spec(path)
 
 
 def _gguf_weights(path: Path, spec: ModelSpec, cache_dir: Path | None) -> tuple[dict, bool]:

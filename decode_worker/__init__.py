@@ -1,0 +1,1 @@
+"""Decode worker: admits requests by reserving blocks, receives their KV, decodes."""

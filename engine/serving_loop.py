@@ -1,0 +1,133 @@
+"""The engine loop of a worker process: one thread owns the EngineCore.
+
+gRPC handlers never touch the core. They `submit` commands (plain callables run on the
+loop thread between steps) and read each request's outputs from a per-request sink.
+The thread sleeps on its command queue when there is nothing to step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.core import EngineCore
+from engine.scheduler import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+OutputSink = Callable[[EngineCoreOutput], None]
+"""Called on the loop thread with each output of its request; must not block."""
+
+
+class ServingLoop:
+    def __init__(self, core: EngineCore, idle_hooks: list[Callable[[], None]] | None = None) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sinks: dict[str, OutputSink] = {}
+        self._poll_hooks = list(idle_hooks or [])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.steps = 0
+        self.stats = core.stats()
+        """A frozen snapshot of the core, refreshed by the loop thread; safe to read anywhere."""
+        self._stats_at = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout)
+
+    def add_poll_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook` on the loop thread every iteration (e.g. poll KV transfers)."""
+        self.submit(lambda: self._poll_hooks.append(hook)).result()
+
+    def submit(self, command: Callable[[], T]) -> Future[T]:
+        """Run `command(core)`-style work on the loop thread; the future holds its result."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(command())
+            except BaseException as exc:  # handed to the caller, not swallowed
+                future.set_exception(exc)
+
+        self._commands.put(run)
+        return future
+
+    def attach(self, request_id: str, sink: OutputSink) -> None:
+        """Route the request's outputs to `sink` (loop thread only: call inside a command)."""
+        self._sinks[request_id] = sink
+
+    def detach(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+
+    def deliver(self, output: EngineCoreOutput) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is not None:
+            sink(output)
+        if output.finish_reason is not None:
+            self._sinks.pop(output.request_id, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.core.has_work
+            try:
+                # Block for a command only when there is nothing to step; poll hooks need
+                # a short timeout so transfers and deadlines progress while idle.
+                command = self._commands.get(timeout=None if busy else 0.005) if not busy else None
+            except queue.Empty:
+                command = None
+            if command is not None:
+                command()
+            self._drain_commands()
+            for hook in self._poll_hooks:
+                try:
+                    hook()
+                except Exception:
+                    logger.exception("poll hook failed")
+            now = time.monotonic()
+            if now - self._stats_at > 0.02:
+                self.stats, self._stats_at = self.core.stats(), now
+            if self.core.has_work:
+                try:
+                    outputs = self.core.step()
+                except Exception:
+                    logger.exception("engine step failed; failing the running requests")
+                    self._fail_running()
+                    continue
+                self.steps += 1
+                for output in outputs:
+                    self.deliver(output)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _fail_running(self) -> None:
+        scheduler = self.core.scheduler
+        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+        for request in self.core.abort(ids):
+            self.deliver(EngineCoreOutput(request.request_id, (), None, "abort", None))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,272 @@
+"""KV transfer interface: a sender on the prefill worker (P), a receiver on the decode worker (D).
+
+Lifecycle of one transfer (one request's KV blocks), seen from P:
+
+    send(header, payload)   PENDING    queued on the channel; the sender owns `payload`
+    (sender's own thread)   IN_FLIGHT  header, then payload, go over the wire; D acknowledges
+    poll()                  DONE | FAILED  the result is returned once; `payload` is the
+                                        caller's again and the ticket is forgotten
+
+Seen from D, `poll()` returns a `ReceivedKV` once per transfer whose header arrived: with the
+payload (DONE, now owned by the caller) or without it (FAILED, with the reason).
+
+Both ends are non-blocking and polled; nothing here calls back into the engine. This module
+is part of the pure core: it imports no torch (tensors appear in type hints only).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+
+
+TERMINAL_STATES = frozenset({TransferState.DONE, TransferState.FAILED})
+
+
+class DTypeCode(enum.IntEnum):
+    """Element type of a payload as it travels in the header (torch mapping: packing.py)."""
+
+    FLOAT32 = 1
+    BFLOAT16 = 2
+    FLOAT16 = 3
+    FLOAT8_E4M3FN = 4
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {
+    DTypeCode.FLOAT32: 4,
+    DTypeCode.BFLOAT16: 2,
+    DTypeCode.FLOAT16: 2,
+    DTypeCode.FLOAT8_E4M3FN: 1,
+}
+
+HEADER_MAGIC = 0x4B565846  # "KVXF"
+HEADER_VERSION = 1
+HEADER_LEN = 10  # ints on the wire; both ends must agree (gloo aborts on a size mismatch)
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    """What D needs to allocate and place one payload; travels as HEADER_LEN int64s."""
+
+    ticket_id: int
+    first_token_id: int
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DTypeCode
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTypeCode(self.dtype))  # ValueError if unknown
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+
+    @property
+    def payload_shape(self) -> tuple[int, ...]:
+        """[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return math.prod(self.payload_shape) * self.dtype.itemsize
+
+    def to_ints(self) -> tuple[int, ...]:
+        """(magic, version, ticket_id, first_token_id, num_layers, num_blocks, block_size,
+        num_kv_heads, head_dim, dtype); always HEADER_LEN long."""
+        return (HEADER_MAGIC, HEADER_VERSION, self.ticket_id, self.first_token_id,
+                self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim, int(self.dtype))
+
+    @classmethod
+    def from_ints(cls, ints: tuple[int, ...] | list[int]) -> TransferHeader:
+        """Inverse of to_ints. Raises ValueError on a wrong length, magic, version or field."""
+        if len(ints) != HEADER_LEN:
+            raise ValueError(f"a transfer header has {HEADER_LEN} ints, got {len(ints)}")
+        magic, version, *fields = (int(i) for i in ints)
+        if magic != HEADER_MAGIC:
+            raise ValueError(f"bad transfer header magic {magic:#x}, expected {HEADER_MAGIC:#x}")
+        if version != HEADER_VERSION:
+            raise ValueError(f"transfer header version {version}, expected {HEADER_VERSION}")
+        return cls(*fields[:7], dtype=DTypeCode(fields[7]))
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """How one transfer ended, on either side. `seconds` is wall time on the reporting side."""
+
+    ticket_id: int
+    state: TransferState
+    nbytes: int
+    seconds: float
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.state not in TERMINAL_STATES:
+            raise ValueError(f"a result's state must be terminal, got {self.state}")
+        if (self.state is TransferState.FAILED) != (self.error is not None):
+            raise ValueError("error is set exactly when the state is FAILED")
+
+    @property
+    def gbps(self) -> float:
+        """Payload gigabytes (1e9 bytes) per second; 0.0 when no time was measured."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    """One transfer as D sees it. payload is None exactly when result.state is FAILED."""
+
+    header: TransferHeader
+    payload: torch.Tensor | None
+    result: TransferResult
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where P joins a channel D opened (the TCPStore rendezvous D hosts)."""
+
+    host: str
+    port: int
+    channel_id: str
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings of one worker's transfer backend, frozen at start-up."""
+
+    host: str = "127.0.0.1"
+    """Address this worker's channel endpoints bind to (D's store, either side's sockets)."""
+    timeout_s: float = 30.0
+    """Limit on each wire operation (header, payload, ack); past it the transfer FAILS."""
+    connect_timeout_s: float = 60.0
+    """How long an opened channel waits for P to join, and P to reach D's store."""
+    max_channels: int = 8
+    """Most channels (process groups) a ChannelPool on P keeps open."""
+    device: str = "cpu"
+    """Where D allocates received payloads ("cpu" for gloo, "cuda:N" for nccl)."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_channels <= 0:
+            raise ValueError(f"max_channels must be positive, got {self.max_channels}")
+
+
+class KVSender(ABC):
+    """P's end of one channel to one D. Used from one thread (the worker's loop)."""
+
+    @abstractmethod
+    def send(self, header: TransferHeader, payload: torch.Tensor) -> None:
+        """Queue `payload` (shape and dtype as the header says, contiguous) for D.
+
+        Does not block on the network. Mutates only the sender's queue. The sender owns
+        `payload` until poll() returns this ticket's result: the caller must not write it.
+        Raises ValueError when payload and header disagree or the ticket is already
+        outstanding, RuntimeError after close(). A broken channel is not an exception:
+        the transfer comes back FAILED from poll().
+        """
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Results (DONE or FAILED) finished since the last poll, each returned once.
+
+        Does not block. Forgets the returned tickets; their payloads are the caller's again.
+        """
+
+    @abstractmethod
+    def state(self, ticket_id: int) -> TransferState:
+        """State of an outstanding ticket. Raises KeyError once it has been polled."""
+
+    @property
+    @abstractmethod
+    def outstanding(self) -> int:
+        """Transfers sent whose result poll() has not returned yet."""
+
+    @property
+    @abstractmethod
+    def error(self) -> str | None:
+        """None while the channel works; why it broke once it did (every later send FAILS)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the channel. Blocks a bounded time: an in-flight transfer may finish (at most
+        timeout_s), a channel still forming may take up to connect_timeout_s.
+
+        Queued transfers come back FAILED from later polls. Idempotent.
+        """
+
+
+class KVReceiver(ABC):
+    """D's end: hosts channels that prefill workers join. Used from one thread."""
+
+    @abstractmethod
+    def open_channel(self) -> ChannelAddress:
+        """Open a channel for one P to join (the address travels to P over gRPC).
+
+        Does not block on P. A channel nobody joins within connect_timeout_s is dropped.
+        """
+
+    @abstractmethod
+    def close_channel(self, address: ChannelAddress) -> None:
+        """Drop one channel (e.g. its P is known dead). Idempotent; unknown ids are ignored."""
+
+    @abstractmethod
+    def poll(self) -> list[ReceivedKV]:
+        """Transfers finished since the last poll, from all channels, each returned once.
+
+        Does not block. The caller owns each returned payload.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every channel and stop its threads, within a bounded time. Idempotent."""
+
+
+class KVTransferBackend(ABC):
+    """Factory for both ends; constructed from a TransferConfig. Constructing one raises
+    RuntimeError where it cannot run (nccl without CUDA)."""
+
+    name: str
+
+    def __init__(self, config: TransferConfig = TransferConfig()) -> None:
+        self.config = config
+
+    @abstractmethod
+    def open_receiver(self) -> KVReceiver:
+        """D side: start hosting channels (binds config.host). Does not block on any peer."""
+
+    @abstractmethod
+    def connect(self, address: ChannelAddress) -> KVSender:
+        """P side: a sender joining `address`. Does not block: the channel forms in the
+        sender's own thread, and if it cannot, every transfer queued on it FAILS."""
+
+
+KV_TRANSFER_BACKENDS: Registry[type[KVTransferBackend]] = Registry("kv transfer backend")
+KV_TRANSFER_BACKENDS.register("local", "kv_transfer.local:LocalBackend")
+KV_TRANSFER_BACKENDS.register("gloo", "kv_transfer.gloo:GlooBackend")
+KV_TRANSFER_BACKENDS.register("nccl", "kv_transfer.nccl:NcclBackend")

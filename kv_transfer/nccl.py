@@ -1,0 +1,41 @@
+"""nccl backend: CUDA tensors over NCCL, one ProcessGroupNCCL per P<->D channel.
+
+The same path as gloo (torch_dist); only the group and the device differ. Not exercised
+without a GPU: constructing it there raises RuntimeError at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, Store
+
+from kv_transfer.base import TransferConfig
+from kv_transfer.torch_dist import TorchDistBackend
+from kv_transfer.wire import seconds
+
+
+class NcclBackend(TorchDistBackend):
+    name = "nccl"
+
+    def __init__(self, config: TransferConfig = TransferConfig(device="cuda:0")) -> None:
+        if not torch.cuda.is_available() or not dist.is_nccl_available():
+            raise RuntimeError(
+                "the nccl kv transfer backend needs a CUDA device and a torch built with NCCL "
+                f"(cuda available: {torch.cuda.is_available()}, nccl available: "
+                f"{dist.is_nccl_available()}); use the 'gloo' backend on CPU")
+        if torch.device(config.device).type != "cuda":
+            raise ValueError(f"the nccl backend receives into a CUDA device, got {config.device!r}")
+        super().__init__(config)
+
+    def make_group(self, store: Store, rank: int) -> ProcessGroup:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = seconds(self.config.connect_timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+    def check_device(self, payload: torch.Tensor) -> None:
+        if payload.device.type != "cuda":
+            raise ValueError(f"the nccl backend sends CUDA tensors, got one on {payload.device}")
+
+    def prepare_thread(self) -> None:
+        torch.cuda.set_device(torch.device(self.config.device))

@@ -1,0 +1,40 @@
+"""The shared path of the torch.distributed backends: one 2-rank process group per P<->D
+channel, built lazily through a TCPStore rendezvous hosted by D (protocol: wire.py).
+
+Subclasses (gloo.py, nccl.py) say only how to build a group and which tensors it carries.
+Groups are constructed directly (no init_process_group), so many coexist in one process.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch.distributed import ProcessGroup, Store
+
+from kv_transfer.base import ChannelAddress, KVTransferBackend
+from kv_transfer.torch_dist_receiver import TorchDistReceiver
+from kv_transfer.torch_dist_sender import TorchDistSender
+
+
+class TorchDistBackend(KVTransferBackend):
+    name = "torch_dist"
+
+    def open_receiver(self) -> TorchDistReceiver:
+        """Hosts a TCPStore on a free port of config.host (D side)."""
+        return TorchDistReceiver(self)
+
+    def connect(self, address: ChannelAddress) -> TorchDistSender:
+        return TorchDistSender(self, address)
+
+    @abstractmethod
+    def make_group(self, store: Store, rank: int) -> ProcessGroup:
+        """Join the channel's 2-rank group. Blocks until both ranks joined or
+        connect_timeout_s passed (then raises RuntimeError). Called on the channel's thread."""
+
+    @abstractmethod
+    def check_device(self, payload: torch.Tensor) -> None:
+        """Raises ValueError when this backend cannot send a tensor on payload.device."""
+
+    def prepare_thread(self) -> None:
+        """Called first on every channel thread (NCCL: select the device)."""

@@ -1,0 +1,175 @@
+"""D's end of the torch.distributed channels: a TCPStore rendezvous and one thread per channel.
+
+Lifecycle of a channel: open_channel() -> thread waits for P's hello (connect_timeout_s) ->
+both join the group -> per transfer: doorbell, header, payload, ack -> a ReceivedKV lands in
+the inbox that poll() drains -> until either side rings "close", or a wire error breaks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed import DistStoreError, PrefixStore
+
+from kv_transfer.base import (
+    HEADER_LEN,
+    ChannelAddress,
+    KVReceiver,
+    ReceivedKV,
+    TransferHeader,
+    TransferResult,
+    TransferState,
+)
+from kv_transfer.packing import empty_payload
+from kv_transfer import wire
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+    from kv_transfer.torch_dist import TorchDistBackend
+
+log = logging.getLogger(__name__)
+
+
+class TorchDistReceiver(KVReceiver):
+    def __init__(self, backend: TorchDistBackend) -> None:
+        self._backend = backend
+        self._config = backend.config
+        self._store = wire.host_store(self._config.host, self._config.connect_timeout_s)
+        self.host, self.port = self._config.host, self._store.port
+        self._inbox: deque[ReceivedKV] = deque()  # appended by channel threads
+        self._channels: dict[str, _Channel] = {}
+        self._closed = False
+
+    def open_channel(self) -> ChannelAddress:
+        if self._closed:
+            raise RuntimeError("receiver is closed")
+        self._channels = {k: c for k, c in self._channels.items() if c.thread.is_alive()}
+        address = ChannelAddress(self.host, self.port, uuid.uuid4().hex)
+        self._channels[address.channel_id] = _Channel(self._backend, address, self._inbox)
+        return address
+
+    def close_channel(self, address: ChannelAddress) -> None:
+        channel = self._channels.pop(address.channel_id, None)
+        if channel is not None:
+            channel.stop(self._store)
+            channel.join()
+
+    def poll(self) -> list[ReceivedKV]:
+        items = []
+        while self._inbox:
+            items.append(self._inbox.popleft())
+        return items
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.stop(self._store)
+        for channel in channels:
+            channel.join()
+        del self._store  # closes the listening socket
+
+
+class _Channel:
+    """One P's channel on D: its thread, and the doorbell sequence number it waits on."""
+
+    def __init__(self, backend: TorchDistBackend, address: ChannelAddress,
+                 inbox: deque[ReceivedKV]) -> None:
+        self._backend = backend
+        self._config = backend.config
+        self.address = address
+        self._inbox = inbox
+        self._lock = threading.Lock()
+        self._seq = 0  # the ring D waits on next; guarded by _lock
+        self._stopping = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"kv-recv-{address.channel_id}", daemon=True)
+        self.thread.start()
+
+    def stop(self, store: Store) -> None:
+        """Wake the thread: ring "close" on the sequence number it waits on (or will)."""
+        with self._lock:
+            self._stopping = True
+            seq = self._seq
+        try:
+            PrefixStore(self.address.channel_id, store).set(wire.ring_key(seq), wire.CLOSE)
+        except Exception as e:  # noqa: BLE001 - the thread also checks _stopping
+            log.debug("could not ring close on channel %s: %s", self.address.channel_id, e)
+
+    def join(self) -> None:
+        limit = self._config.timeout_s + 1.0
+        self.thread.join(limit)
+        if self.thread.is_alive():
+            log.warning("kv channel %s thread still running after %.1fs",
+                        self.address.channel_id, limit)
+
+    def _run(self) -> None:
+        a, c = self.address, self._config
+        try:
+            self._backend.prepare_thread()
+            store = wire.channel_store(a.host, a.port, a.channel_id, c.connect_timeout_s)
+            if wire.wait_ring(store, 0, wire.seconds(c.connect_timeout_s)) != wire.HELLO:
+                return
+            group = self._backend.make_group(store, wire.RANK_D)
+        except Exception as e:  # noqa: BLE001 - nobody joined, or joining failed
+            log.warning("kv channel %s closed before a prefill worker joined: %s", a.channel_id, e)
+            return
+        seq = self._next_seq()
+        while seq is not None:
+            waited = time.monotonic()
+            try:
+                ring = wire.wait_ring(store, seq, wire.IDLE_WAIT)
+            except Exception as e:  # noqa: BLE001 - a long idle wait expired, or the store is gone
+                if isinstance(e, DistStoreError) and time.monotonic() - waited > 60.0:
+                    continue  # idle for IDLE_WAIT: wait on the same ring again
+                log.warning("kv channel %s lost its store: %s", a.channel_id, e)
+                return
+            if ring != wire.XFER or not self._receive_one(group):
+                return  # closed, or broken: dropping the group tells P at once
+            seq = self._next_seq()
+
+    def _next_seq(self) -> int | None:
+        """Advance to the next ring; None once stopping."""
+        with self._lock:
+            if self._stopping:
+                return None
+            self._seq += 1
+            return self._seq
+
+    def _receive_one(self, group: ProcessGroup) -> bool:
+        """Receive one transfer into the inbox. False when the channel broke."""
+        device = self._config.device
+        deadline = wire.Deadline(self._config.timeout_s)
+        ints = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        try:
+            deadline.wait(group.recv([ints], wire.RANK_P, wire.TAG_HEADER))
+            header = TransferHeader.from_ints(ints.tolist())
+        except Exception as e:  # noqa: BLE001 - no header: nothing to report per ticket
+            log.warning("kv channel %s broken reading a header: %s", self.address.channel_id, e)
+            return False
+        payload = empty_payload(header, device)
+        try:
+            if header.payload_nbytes:
+                deadline.wait(group.recv([payload], wire.RANK_P, wire.TAG_PAYLOAD))
+            ack = wire.ack_tensor(header.ticket_id, header.payload_nbytes, device)
+            deadline.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
+        except Exception as e:  # noqa: BLE001 - gloo/nccl errors fail this ticket
+            error = (f"receiving ticket {header.ticket_id} on channel {self.address.channel_id} "
+                     f"failed after {deadline.elapsed():.2f}s: {e}")
+            result = TransferResult(header.ticket_id, TransferState.FAILED, 0,
+                                    deadline.elapsed(), error)
+            self._inbox.append(ReceivedKV(header, None, result))
+            return False
+        result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
+                                deadline.elapsed())
+        self._inbox.append(ReceivedKV(header, payload, result))
+        return True

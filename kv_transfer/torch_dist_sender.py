@@ -1,0 +1,164 @@
+"""P's end of one torch.distributed channel.
+
+Lifecycle: connect() starts the channel thread, which joins D's group (rank 0) and then
+drains the queue, one transfer at a time: PENDING (queued) -> IN_FLIGHT (on the wire) ->
+DONE (D acknowledged) | FAILED. The first failure breaks the channel for good (a timed-out
+gloo operation poisons its group): later transfers FAIL at once with the same reason, and the
+caller gets a fresh channel from D.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_transfer.base import (
+    ChannelAddress,
+    KVSender,
+    TransferHeader,
+    TransferResult,
+    TransferState,
+)
+from kv_transfer.packing import check_payload
+from kv_transfer import wire
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+    from kv_transfer.torch_dist import TorchDistBackend
+
+log = logging.getLogger(__name__)
+
+
+class TorchDistSender(KVSender):
+    def __init__(self, backend: TorchDistBackend, address: ChannelAddress) -> None:
+        self._backend = backend
+        self._config = backend.config
+        self.address = address
+        self._queue: queue.SimpleQueue[tuple[TransferHeader, torch.Tensor] | None] = (
+            queue.SimpleQueue())
+        self._lock = threading.Lock()
+        self._states: dict[int, TransferState] = {}  # guarded by _lock
+        self._results: deque[TransferResult] = deque()
+        self._error: str | None = None
+        self._closing = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-send-{address.channel_id}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- caller's thread
+    def send(self, header: TransferHeader, payload: torch.Tensor) -> None:
+        if self._closing:
+            raise RuntimeError(f"sender to {self._where()} is closed")
+        check_payload(header, payload)
+        self._backend.check_device(payload)
+        with self._lock:
+            if header.ticket_id in self._states:
+                raise ValueError(f"ticket {header.ticket_id} is already outstanding")
+            self._states[header.ticket_id] = TransferState.PENDING
+        self._queue.put((header, payload))
+
+    def poll(self) -> list[TransferResult]:
+        with self._lock:
+            results = list(self._results)
+            self._results.clear()
+            for result in results:
+                del self._states[result.ticket_id]
+        return results
+
+    def state(self, ticket_id: int) -> TransferState:
+        with self._lock:
+            return self._states[ticket_id]
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._states)
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._queue.put(None)
+        limit = self._config.connect_timeout_s + self._config.timeout_s + 1.0
+        self._thread.join(limit)
+        if self._thread.is_alive():
+            log.warning("kv sender thread to %s still running after %.1fs", self._where(), limit)
+
+    # ---------------------------------------------------------------- channel thread
+    def _run(self) -> None:
+        store = group = None
+        try:
+            self._backend.prepare_thread()
+            store = wire.channel_store(self.address.host, self.address.port,
+                                       self.address.channel_id, self._config.connect_timeout_s)
+            store.set(wire.ring_key(0), wire.HELLO)
+            group = self._backend.make_group(store, wire.RANK_P)
+            store.set_timeout(wire.seconds(self._config.timeout_s))
+        except Exception as e:  # noqa: BLE001 - any failure to join breaks the channel
+            self._break(f"could not join channel {self._where()}: {e}")
+        seq = 1
+        while (item := self._queue.get()) is not None:
+            header, payload = item
+            if self._closing or self._error is not None:
+                self._finish(header, 0, 0.0, self._error or "sender closed before sending")
+                continue
+            assert store is not None and group is not None, "channel works without a group"
+            with self._lock:
+                self._states[header.ticket_id] = TransferState.IN_FLIGHT
+            self._transfer(store, group, seq, header, payload)
+            seq += 1
+        if store is not None and self._error is None:
+            try:
+                store.set(wire.ring_key(seq), wire.CLOSE)
+            except Exception as e:  # noqa: BLE001 - D may already be gone; closing anyway
+                log.debug("could not ring close on %s: %s", self._where(), e)
+        del group  # drops the sockets: a peer still in an operation fails at once
+
+    def _transfer(self, store: Store, group: ProcessGroup, seq: int, header: TransferHeader,
+                  payload: torch.Tensor) -> None:
+        deadline = wire.Deadline(self._config.timeout_s)
+        nbytes = header.payload_nbytes
+        try:
+            store.set(wire.ring_key(seq), wire.XFER)
+            deadline.wait(group.send(
+                [wire.header_tensor(header.to_ints(), payload.device)], wire.RANK_D,
+                wire.TAG_HEADER))
+            if nbytes:
+                deadline.wait(group.send([payload], wire.RANK_D, wire.TAG_PAYLOAD))
+            ack = torch.empty(2, dtype=torch.int64, device=payload.device)
+            deadline.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
+            if tuple(ack.tolist()) != (header.ticket_id, nbytes):
+                raise RuntimeError(f"D acknowledged {tuple(ack.tolist())}, expected "
+                                   f"{(header.ticket_id, nbytes)}")
+        except Exception as e:  # noqa: BLE001 - gloo/nccl/store errors all fail the transfer
+            error = (f"transfer of ticket {header.ticket_id} ({nbytes} bytes) to "
+                     f"{self._where()} failed after {deadline.elapsed():.2f}s: {e}")
+            self._break(error)
+            self._finish(header, 0, deadline.elapsed(), error)
+            return
+        self._finish(header, nbytes, deadline.elapsed(), None)
+
+    def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None) -> None:
+        state = TransferState.FAILED if error is not None else TransferState.DONE
+        with self._lock:
+            self._states[header.ticket_id] = state
+            self._results.append(TransferResult(header.ticket_id, state, nbytes, secs, error))
+
+    def _break(self, error: str) -> None:
+        if self._error is None:
+            self._error = error
+            log.warning("kv channel broken: %s", error)
+
+    def _where(self) -> str:
+        a = self.address
+        return f"{a.host}:{a.port}/{a.channel_id}"

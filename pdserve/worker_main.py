@@ -1,0 +1,80 @@
+"""`pdserve prefill` / `pdserve decode`: one worker process (what Helm and Ray run)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+from kv_transfer.base import KV_TRANSFER_BACKENDS, TransferConfig
+from pdserve.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("worker")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    g.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0: any free port)")
+    g.add_argument("--redis-url", default=None, help="cluster state (heartbeats); none: no registration")
+    g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument("--kv-transfer", default="gloo", choices=KV_TRANSFER_BACKENDS.names())
+    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds per KV transfer step")
+    g.add_argument("--heartbeat-interval", type=float, default=1.0)
+    g.add_argument("--heartbeat-ttl", type=float, default=5.0)
+    g.add_argument("--ready-file", default=None, help="write 'grpc_port metrics_port' here when serving")
+    add_engine_args(parser)
+
+
+def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.worker_metrics import serve_metrics
+    from pdserve.worker_server import build_worker, serve
+
+    config = engine_config_from_args(args, parser)
+    transfer = TransferConfig(host=args.host, timeout_s=args.transfer_timeout)
+    worker = build_worker(role, config, transfer, args.kv_transfer)
+    if args.worker_id:
+        worker.worker_id = args.worker_id
+    metrics_port = serve_metrics(worker, role, args.host, args.metrics_port)
+    heartbeat = None
+
+    def on_ready(grpc_port: int) -> None:
+        nonlocal heartbeat
+        address = f"{args.host}:{grpc_port}"
+        if args.redis_url:
+            from pdserve.heartbeat import HeartbeatPublisher
+
+            heartbeat = HeartbeatPublisher(
+                args.redis_url, args.cluster, lambda: worker_info(worker, role, address, args.host, metrics_port),
+                interval_s=args.heartbeat_interval, ttl_s=args.heartbeat_ttl)
+            heartbeat.start()
+        if args.ready_file:
+            with open(args.ready_file, "w") as f:
+                f.write(f"{grpc_port} {metrics_port}\n")
+        print(f"pdserve {role} worker {worker.worker_id}: gRPC {address}, metrics "
+              f"http://{args.host}:{metrics_port}/metrics", flush=True)
+
+    try:
+        asyncio.run(serve(role, worker, args.host, args.port, on_ready))
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+    return 0
+
+
+def worker_info(worker, role: str, address: str, host: str, metrics_port: int):
+    from router.cluster_keys import WorkerInfo
+
+    s = worker.loop.stats
+    return WorkerInfo(
+        worker_id=worker.worker_id, role=role, address=address,
+        metrics_address=f"{host}:{metrics_port}", incarnation=worker.incarnation,
+        block_size=worker.core.config.block_size, total_blocks=s.total_blocks,
+        free_blocks=s.free_blocks, reserved_blocks=s.reserved_blocks, cached_blocks=s.cached_blocks,
+        num_running=s.num_running, num_waiting=s.num_waiting,
+        queued_prefill_tokens=s.queued_prefill_tokens, max_model_len=worker.core.max_model_len,
+        updated_at=time.time(),
+    )

@@ -1,0 +1,1 @@
+"""Prefill worker: computes prompts and pushes their KV blocks to decode workers."""

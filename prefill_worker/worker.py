@@ -1,0 +1,198 @@
+"""Prefill worker: one request's lifecycle.
+
+    Prefill RPC arrives with a ticket from a decode worker
+      -> QUEUED: the prompt waits for the engine (chunked with other prompts)
+      -> COMPUTED: first token sampled; the blocks stay held (not freed at finish)
+      -> SENDING: blocks after the decode worker's cached prefix are packed and queued on
+         the channel to that decode worker (opened once per decode worker, pooled)
+      -> SENT: the transfer finished; blocks released; the first token is returned
+         transfer failed  -> blocks released; the RPC fails UNAVAILABLE (router retries)
+         client gone      -> aborted wherever it is; blocks released
+      (terminal: sent, failed, aborted)
+
+All engine state is touched only on the ServingLoop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from engine.core import EngineCore
+from engine.request import Request
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import EngineCoreOutput
+from engine.serving_loop import ServingLoop
+from kv_transfer.base import ChannelAddress, TransferHeader, TransferState
+from kv_transfer.packing import dtype_code
+from kv_transfer.pool import ChannelPool
+
+logger = logging.getLogger(__name__)
+
+ChannelOpener = Callable[[str], Awaitable[ChannelAddress]]
+"""Asks the decode worker at a gRPC address to open a data channel for us."""
+
+
+class TransferFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+    num_cached_tokens: int
+    nbytes: int
+    seconds: float
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """Where a prefill's KV must go (from the decode worker's ticket)."""
+
+    decode_address: str
+    incarnation: str
+    ticket_id: int
+    num_cached_tokens: int
+    num_blocks: int
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    future: Future
+    first: EngineCoreOutput
+    num_cached_tokens: int
+    num_blocks: int
+    started: float
+    channel_key: tuple[str, str]
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """The prefill computes exactly the first token: same sampling, one token, no stops."""
+    return replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(),
+                   stop_token_ids=params.stop_token_ids)
+
+
+class PrefillWorker:
+    def __init__(self, core: EngineCore, channels: ChannelPool, open_channel: ChannelOpener,
+                 worker_id: str | None = None, backend_name: str = "gloo") -> None:
+        assert core.scheduler.hold_finished_blocks, "a prefill worker's core must hold finished blocks"
+        self.core = core
+        self.channels = channels
+        self.backend_name = backend_name
+        self._open_channel = open_channel
+        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.incarnation = uuid.uuid4().hex
+        self.loop = ServingLoop(core)
+        self._addresses: dict[tuple[str, str], ChannelAddress] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+        self.transfers = 0
+
+    def start(self) -> None:
+        self.loop.start()
+        self.loop.add_poll_hook(self._poll_transfers)
+
+    def stop(self) -> None:
+        self.loop.stop()
+        self.channels.close()
+
+    async def prefill(
+        self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, target: DecodeTarget
+    ) -> PrefillResult:
+        """Compute the prompt, push its KV to the target, return the first token.
+        Raises TransferFailed when the KV could not be delivered."""
+        address = await self._channel(target)
+        done: Future = Future()
+
+        def sink(output: EngineCoreOutput) -> None:
+            if not output.new_token_ids:  # aborted
+                if not done.done():
+                    done.set_exception(asyncio.CancelledError())
+                return
+            self._send(request_id, output, address, target, done)
+
+        def add() -> None:
+            self.loop.attach(request_id, sink)
+            self.core.add_request(Request(request_id, prompt, prefill_params(params), self.core.eos_token_ids))
+
+        await asyncio.wrap_future(self.loop.submit(add))
+        try:
+            return await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        def run() -> bool:
+            self.loop.detach(request_id)
+            return bool(self.core.abort([request_id]))
+
+        return await asyncio.wrap_future(self.loop.submit(run))
+
+    async def _channel(self, target: DecodeTarget) -> ChannelAddress:
+        key = (target.decode_address, target.incarnation)
+        if key not in self._addresses:
+            self._addresses[key] = await self._open_channel(target.decode_address)
+        return self._addresses[key]
+
+    # ------------------------------------------------------- loop thread only
+    def _send(self, request_id, first: EngineCoreOutput, address, target: DecodeTarget, done: Future) -> None:
+        block_size = self.core.config.block_size
+        payload = self.core.export_blocks(request_id, target.num_cached_tokens // block_size)
+        self.core.release_blocks(request_id)  # export copied them
+        spec = self.core.spec
+        header = TransferHeader(
+            ticket_id=target.ticket_id,
+            first_token_id=first.new_token_ids[0],
+            num_layers=spec.num_layers,
+            num_blocks=payload.shape[2],
+            block_size=block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=dtype_code(payload.dtype),
+        )
+        if payload.shape[2] != target.num_blocks:
+            done.set_exception(TransferFailed(
+                f"ticket {target.ticket_id}: decode reserved {target.num_blocks} blocks, prompt has "
+                f"{payload.shape[2]} after its cached prefix"))
+            return
+        sender = self.channels.get(address)
+        if sender is None:
+            done.set_exception(TransferFailed(f"no channel to {target.decode_address}"))
+            return
+        sender.send(header, payload.contiguous())
+        self._in_flight[target.ticket_id] = _InFlight(
+            request_id, done, first, first.num_cached_tokens, payload.shape[2], time.perf_counter(),
+            (target.decode_address, target.incarnation))
+
+    def _poll_transfers(self) -> None:
+        for result in self.channels.poll():
+            flight = self._in_flight.pop(result.ticket_id, None)
+            if flight is None:
+                continue
+            if result.state is TransferState.FAILED:
+                # The channel is gone; the next request to that decode worker opens a new one.
+                self._addresses.pop(flight.channel_key, None)
+                flight.future.set_exception(TransferFailed(result.error or "transfer failed"))
+                continue
+            self.transfers += 1
+            self.transfer_bytes += result.nbytes
+            self.transfer_seconds += result.seconds
+            flight.future.set_result(PrefillResult(
+                first_token_id=flight.first.new_token_ids[0],
+                first_logprobs=flight.first.logprobs,
+                num_cached_tokens=flight.num_cached_tokens,
+                nbytes=result.nbytes,
+                seconds=result.seconds,
+                num_blocks=flight.num_blocks,
+            ))

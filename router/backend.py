@@ -1,0 +1,81 @@
+"""The seam between the router's front door and whatever produces tokens.
+
+The HTTP (and gRPC) layers know only `GenerationBackend`: they hand it one `BackendRequest` per
+output sequence and read `TokenDelta`s back. Text never crosses this seam: detokenization and
+stop strings happen in the router, so a backend deals in token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from engine.sampling_params import SamplingParams
+from router.types import TokenLogprobs
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class BackendRequest:
+    """One output sequence to generate (the router fans `n > 1` out into n of these)."""
+
+    request_id: str
+    """Unique per backend request: f"{client request id}-{choice index}"."""
+    prompt_token_ids: tuple[int, ...]
+    """The full prompt, chat template already applied."""
+    params: SamplingParams
+    """Always `n == 1`; a seeded client request gets seed + choice index here."""
+
+    def __post_init__(self) -> None:
+        if self.params.n != 1:
+            raise ValueError(
+                f"a backend request generates one sequence (params.n == 1), got n={self.params.n}"
+            )
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens generated since the previous delta of the same backend request."""
+
+    token_ids: tuple[int, ...]
+    """New token ids, in order (may be empty, e.g. on a bare abort)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One entry per new token when the request asked for logprobs; empty otherwise."""
+    finish_reason: FinishReason | None = None
+    """Set on the last delta only: "stop" (EOS or a stop token), "length" or "abort"."""
+    stop_token_id: int | None = None
+    """With finish_reason "stop": the token that stopped generation (the last of token_ids)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from a prefix cache (reported on the first delta)."""
+    path: str | None = None
+    """How the request was served, e.g. "disaggregated" or "decode-only"; echoed to clients."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"a delta with logprobs needs one entry per token: {len(self.token_ids)} tokens, "
+                f"{len(self.logprobs)} logprobs"
+            )
+
+
+class GenerationBackend(Protocol):
+    """Produces tokens for backend requests (a P/D cluster, a local engine, a test script)."""
+
+    def generate(self, request: BackendRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the deltas of one request; implement as an async generator.
+
+        The last delta yielded has a finish_reason; nothing follows it. Does not block the event
+        loop. Raises a `router.errors.RouterError` subclass: `Overloaded` when no worker can take
+        the request now, `InvalidRequest` when a worker rejects it, `WorkerFailure` when a worker
+        fails. Closing the iterator early (router saw a stop string, client went away) is always
+        followed by `abort(request.request_id)`.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop generating `request_id` and free what it holds; a no-op for an unknown or
+        finished id. Never raises for a request that is already gone.
+        """
+        ...

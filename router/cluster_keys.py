@@ -1,0 +1,204 @@
+"""Cluster state's Redis key schema and the values stored under it (pure: no I/O, no redis).
+
+Keys live under `pdserve:{cluster}:` (DESIGN.md, "Cluster state"):
+
+    pdserve:{cluster}:workers             SET   worker ids that have heart-beaten
+    pdserve:{cluster}:worker:{worker_id}  HASH  WorkerInfo.to_hash(), with a TTL
+
+A worker's hash expires when its heartbeats stop; the set may still name it until a reader
+notices and removes it. Redis is a routing hint, not the source of truth: workers own their
+blocks, and a router may route on a snapshot that is a little old.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
+
+__all__ = [
+    "ROLES",
+    "ClusterSnapshot",
+    "Role",
+    "WorkerInfo",
+    "cluster_prefix",
+    "worker_key",
+    "workers_set_key",
+]
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[str, ...] = get_args(Role)
+
+
+def cluster_prefix(cluster: str) -> str:
+    """`pdserve:{cluster}:` — every key of one cluster starts with it."""
+    if not cluster:
+        raise ValueError("cluster name must not be empty")
+    return f"pdserve:{cluster}:"
+
+
+def worker_key(cluster: str, worker_id: str) -> str:
+    """The heartbeat hash of one worker."""
+    if not worker_id:
+        raise ValueError("worker_id must not be empty")
+    return f"{cluster_prefix(cluster)}worker:{worker_id}"
+
+
+def workers_set_key(cluster: str) -> str:
+    """The set of worker ids that have registered (some may have expired since)."""
+    return f"{cluster_prefix(cluster)}workers"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker's heartbeat: who it is, where it listens, and its load and KV capacity.
+
+    Block counts are in the worker's own blocks of `block_size` tokens.
+    """
+
+    worker_id: str
+    """Stable name of the worker (survives restarts; the incarnation does not)."""
+    role: Role
+    """"prefill", "decode", or "both" (may serve either phase)."""
+    address: str
+    """gRPC host:port of the worker's service."""
+    metrics_address: str
+    """host:port of its Prometheus /metrics, or "" when it exposes none."""
+    incarnation: str
+    """Opaque id, new at each start of the process; fences entries of a previous run."""
+    block_size: int
+    """Tokens per KV block."""
+    total_blocks: int
+    """KV blocks in the worker's cache."""
+    free_blocks: int
+    """Blocks not held by any request (includes cached_blocks, which are evictable)."""
+    reserved_blocks: int
+    """Blocks promised to admitted requests whose KV has not arrived yet; NOT subtracted from
+    free_blocks, so room for new work is free_blocks - reserved_blocks."""
+    cached_blocks: int
+    """Free blocks still holding a reusable prefix (evicted LRU when needed)."""
+    num_running: int
+    """Requests in the running batch."""
+    num_waiting: int
+    """Requests queued, not yet scheduled."""
+    queued_prefill_tokens: int
+    """Prompt tokens still to prefill across queued and running requests."""
+    max_model_len: int
+    """Longest sequence (prompt + output tokens) the worker accepts."""
+    updated_at: float
+    """Unix time (seconds, the worker's clock) when this heartbeat was taken."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if not self.address:
+            raise ValueError(f"worker {self.worker_id!r}: address must not be empty")
+        if not self.incarnation:
+            raise ValueError(f"worker {self.worker_id!r}: incarnation must not be empty")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"worker {self.worker_id!r}: {name} must be an int >= 0; got {value!r}"
+                )
+        if self.block_size < 1:
+            raise ValueError(f"worker {self.worker_id!r}: block_size must be >= 1")
+        if not isinstance(self.updated_at, (int, float)) or not math.isfinite(self.updated_at):
+            raise ValueError(
+                f"worker {self.worker_id!r}: updated_at must be a finite number; "
+                f"got {self.updated_at!r}"
+            )
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def to_hash(self) -> dict[str, str]:
+        """The Redis hash fields: every field as a string (floats round-trip exactly)."""
+        return {
+            f.name: repr(float(v)) if f.name in _FLOAT_FIELDS else str(v)
+            for f in fields(self)
+            for v in (getattr(self, f.name),)
+        }
+
+    @classmethod
+    def from_hash(cls, data: Mapping[bytes | str, bytes | str]) -> WorkerInfo:
+        """Parse a hash as HGETALL returns it (bytes or str keys and values).
+
+        Unknown fields are ignored (a newer worker may publish more). Raises ValueError naming
+        the missing fields, or the field whose value is invalid.
+        """
+        text = {_text(k): _text(v) for k, v in data.items()}
+        missing = [f.name for f in fields(cls) if f.name not in text]
+        if missing:
+            raise ValueError(f"worker hash lacks field(s): {', '.join(missing)}")
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = text[f.name]
+            try:
+                if f.name in _INT_FIELDS:
+                    values[f.name] = int(raw)
+                elif f.name in _FLOAT_FIELDS:
+                    values[f.name] = float(raw)
+                else:
+                    values[f.name] = raw
+            except ValueError:
+                raise ValueError(f"worker hash field {f.name} is not a number: {raw!r}") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+
+_INT_FIELDS = frozenset(
+    {
+        "block_size",
+        "total_blocks",
+        "free_blocks",
+        "reserved_blocks",
+        "cached_blocks",
+        "num_running",
+        "num_waiting",
+        "queued_prefill_tokens",
+        "max_model_len",
+    }
+)
+_FLOAT_FIELDS = frozenset({"updated_at"})
+
+
+def _text(value: bytes | str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"worker hash holds bytes that are not UTF-8: {value!r}") from None
+    return value
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """The workers a router knows of at one moment. Lives here (pure) so policies can use it
+    without importing the Redis reader."""
+
+    workers: tuple[WorkerInfo, ...]
+    """Live workers sorted by worker_id, at most one entry (one incarnation) per worker_id."""
+    taken_at: float
+    """The reader's clock (monotonic seconds) when these entries were read."""
+    stale: bool
+    """True when Redis could not be read and these are the last entries that were."""
+
+    def prefill_workers(self) -> tuple[WorkerInfo, ...]:
+        """Workers that may prefill (role "prefill" or "both")."""
+        return tuple(w for w in self.workers if w.serves_prefill)
+
+    def decode_workers(self) -> tuple[WorkerInfo, ...]:
+        """Workers that may decode (role "decode" or "both")."""
+        return tuple(w for w in self.workers if w.serves_decode)
+
+    def by_id(self, worker_id: str) -> WorkerInfo | None:
+        """The worker with this id, or None when the snapshot has none."""
+        return next((w for w in self.workers if w.worker_id == worker_id), None)

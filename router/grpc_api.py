@@ -1,0 +1,158 @@
+"""The public gRPC API (pdserve.v1.Generation) over the same RouterService as HTTP.
+
+Thin: each RPC builds the OpenAI-shaped request RouterService takes, calls it, and encodes
+the result; errors map to status codes in router.grpc_errors (one place).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from router.errors import InvalidRequest, RouterError
+from router.grpc_errors import grpc_status
+from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeCompletionRequest
+from router.results import ChoiceUpdate, StreamFailure, UsageReport
+
+SERVICE_NAME = "pdserve.v1.Generation"
+
+
+def _sampling_fields(msg: generation_pb2.GenerateRequest) -> dict:
+    s = msg.sampling
+    fields = dict(
+        model=msg.model or None, n=s.n or 1, temperature=s.temperature, top_p=s.top_p or 1.0,
+        top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty or 1.0,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        include_stop_str_in_output=s.include_stop_str_in_output, ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
+    )
+    if s.HasField("seed"):
+        fields["seed"] = s.seed
+    if s.HasField("max_tokens"):
+        fields["max_tokens"] = s.max_tokens
+    return fields
+
+
+def _logprobs_out(positions) -> list[common_pb2.TokenLogprobs]:
+    if not positions:
+        return []
+    return [
+        common_pb2.TokenLogprobs(
+            token_id=p.sampled.token_id, logprob=p.sampled.logprob,
+            top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in p.top],
+        )
+        for p in positions
+    ]
+
+
+def _set_stop_reason(msg, stop_reason) -> None:
+    if isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        msg.stop_token_id = stop_reason
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def _request_id(self, msg) -> str:
+        return msg.request_id or uuid.uuid4().hex
+
+    async def _start(self, msg: generation_pb2.GenerateRequest, request_id: str, stream: bool):
+        fields = _sampling_fields(msg)
+        which = msg.WhichOneof("prompt")
+        s = msg.sampling
+        if which == "chat":
+            req = ChatCompletionRequest(
+                messages=[ChatMessage(role=m.role, content=m.content) for m in msg.chat.messages],
+                logprobs=s.HasField("logprobs"), top_logprobs=s.logprobs if s.HasField("logprobs") else 0,
+                **fields)
+            return await (self.service.stream_chat if stream else self.service.chat)(req, request_id)
+        if which == "text":
+            prompt = msg.text
+        elif which == "token_ids":
+            prompt = list(msg.token_ids.ids)
+        else:
+            raise InvalidRequest("GenerateRequest needs a prompt: text, token_ids or chat", param="prompt")
+        req = CompletionRequest(prompt=prompt, logprobs=s.logprobs if s.HasField("logprobs") else None, **fields)
+        return await (self.service.stream_complete if stream else self.service.complete)(req, request_id)
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        request_id = self._request_id(request)
+        try:
+            result = await self._start(request, request_id, stream=False)
+        except RouterError as exc:
+            await context.abort(grpc_status(exc), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        reply = generation_pb2.GenerateResponse(
+            request_id=request_id, path=result.head.path or "",
+            usage=generation_pb2.Usage(prompt_tokens=result.usage.prompt_tokens,
+                                       completion_tokens=result.usage.completion_tokens,
+                                       cached_tokens=result.usage.cached_tokens or 0))
+        for choice in result.choices:
+            c = reply.completions.add(index=choice.index, text=choice.text, token_ids=list(choice.token_ids),
+                                      finish_reason=choice.finish_reason or "",
+                                      logprobs=_logprobs_out(choice.logprobs))
+            _set_stop_reason(c, choice.stop_reason)
+        return reply
+
+    async def GenerateStream(self, request, context: grpc.aio.ServicerContext):
+        request_id = self._request_id(request)
+        try:
+            stream = await self._start(request, request_id, stream=True)
+        except RouterError as exc:
+            await context.abort(grpc_status(exc), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            async for event in stream:
+                if isinstance(event, ChoiceUpdate):
+                    out = generation_pb2.GenerateStreamResponse(
+                        request_id=request_id, index=event.index, text=event.text,
+                        token_ids=list(event.token_ids), logprobs=_logprobs_out(event.logprobs),
+                        finish_reason=event.finish_reason or "", path=stream.head.path or "")
+                    _set_stop_reason(out, event.stop_reason)
+                    yield out
+                elif isinstance(event, UsageReport):
+                    yield generation_pb2.GenerateStreamResponse(
+                        request_id=request_id, usage=generation_pb2.Usage(
+                            prompt_tokens=event.usage.prompt_tokens,
+                            completion_tokens=event.usage.completion_tokens,
+                            cached_tokens=event.usage.cached_tokens or 0))
+                elif isinstance(event, StreamFailure):
+                    await context.abort(grpc_status(event.error), str(event.error))
+        finally:
+            await stream.aclose()
+
+    async def ListModels(self, request, context):
+        return generation_pb2.ListModelsResponse(
+            models=[generation_pb2.ModelCard(id=self.service.model_name, max_model_len=self.service.max_model_len)])
+
+    async def Tokenize(self, request, context):
+        try:
+            result = self.service.tokenize(TokenizeCompletionRequest(
+                model=request.model or None, prompt=request.text, add_special_tokens=request.add_special_tokens))
+        except RouterError as exc:
+            await context.abort(grpc_status(exc), str(exc))
+        return generation_pb2.TokenizeResponse(token_ids=list(result.tokens), max_model_len=result.max_model_len)
+
+
+async def start_grpc_server(service, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    bound = server.add_insecure_port(f"{host}:{port}")
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,151 @@
+"""Request bodies of the OpenAI-compatible API, with vLLM's field names and defaults.
+
+Unknown fields are accepted and ignored, as vLLM and OpenAI do. Fields the router cannot honour
+(beam search, logit bias, ...) are declared so that validation can refuse them with a 400
+instead of silently ignoring them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    # OpenAI's API tolerates extra fields; so does vLLM.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by completions and chat completions (vLLM's extras included)."""
+
+    model: str | None = None
+    n: int | None = 1
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = []
+    stop_token_ids: list[int] | None = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    user: str | None = None
+    # Declared to be refused (see validation.refuse_unsupported).
+    logit_bias: dict[str, float] | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: list[NonNegativeInt] | list[list[NonNegativeInt]] | str | list[str] | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ChatTemplateFields(OpenAIBaseModel):
+    """How a conversation becomes a prompt (shared by chat completions and /tokenize)."""
+
+    messages: list[ChatMessage]
+    tools: list[ChatCompletionTool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """POST /v1/chat/completions."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
+    parallel_tool_calls: bool | None = True
+    echo: bool = False
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    """POST /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """POST /tokenize with chat messages."""
+
+    model: str | None = None
+    return_token_strs: bool | None = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[NonNegativeInt]

@@ -1,0 +1,237 @@
+"""RouterService: the OpenAI API's behaviour, independent of HTTP and of how tokens are made.
+
+Per request: check the model name, validate, render the chat template, tokenize, check the
+context length, fan prompts x n out to the backend as single-sequence requests, detokenize and
+apply stop strings per choice, count usage and metrics. Every path out (done, stop string,
+error, client gone) closes the run, which aborts whatever the backend is still generating.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from router.backend import GenerationBackend
+from router.errors import RouterError, WorkerFailure
+from router.metrics import RouterMetrics
+from router.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeCompletionRequest,
+    TokenizeRequest,
+)
+from router.results import (
+    ChoiceUpdate,
+    CompletionResult,
+    DetokenizeResult,
+    ModelCard,
+    ResponseHead,
+    StreamEvent,
+    StreamFailure,
+    TokenizeResult,
+    UsageReport,
+)
+from router.run import GenerationPlan, GenerationRun, drain
+from router.validation import (
+    Prompt,
+    chat_logprobs,
+    chat_max_tokens,
+    chat_prompt,
+    check_chat_options,
+    check_context_length,
+    check_model,
+    check_token_ids,
+    completion_logprobs,
+    completion_prompts,
+    refuse_unsupported,
+    sampling_params,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ResponseStream:
+    """A streaming response whose first output has arrived, so it will answer 200.
+
+    Iterate it once; always `aclose()` it (closing early aborts the unfinished backend
+    requests). Errors after the start arrive as a StreamFailure event, never raised.
+    """
+
+    def __init__(
+        self,
+        head: ResponseHead,
+        prompt_token_ids: tuple[tuple[int, ...], ...],
+        n: int,
+        num_choices: int,
+        events: AsyncGenerator[StreamEvent, None],
+        close_run: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.head = head
+        self.prompt_token_ids = prompt_token_ids
+        self.n = n
+        self.num_choices = num_choices
+        self._events = events
+        self._close_run = close_run
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        # The events' own cleanup never runs if they were never iterated; close the run here too.
+        await self._close_run()
+
+
+class RouterService:
+    """Serves one model through one GenerationBackend. Safe to share between requests."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        backend: GenerationBackend,
+        model_name: str,
+        max_model_len: int,
+        *,
+        model_root: str | None = None,
+        metrics: RouterMetrics | None = None,
+        enable_prompt_tokens_details: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`clock` times latencies (seconds, monotonic); `wall_clock` stamps `created`."""
+        self._tokenizer = tokenizer
+        self._backend = backend
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._model_root = model_root or model_name
+        self.metrics = metrics or RouterMetrics(model_name, max_model_len)
+        self._prompt_tokens_details = enable_prompt_tokens_details
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._created = int(wall_clock())
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(self.model_name, self._created, self._model_root, self.max_model_len)
+
+    async def complete(self, req: CompletionRequest, request_id: str) -> CompletionResult:
+        """A whole completion. Raises RouterError (InvalidRequest, ModelNotFound, backend's)."""
+        return await drain(self._completion_run(req, request_id))
+
+    async def stream_complete(self, req: CompletionRequest, request_id: str) -> ResponseStream:
+        """A started completion stream; raises RouterError if it fails before its first output."""
+        return await self._start_stream(self._completion_run(req, request_id), req)
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str) -> CompletionResult:
+        """A whole chat completion. Raises RouterError."""
+        return await drain(self._chat_run(req, request_id))
+
+    async def stream_chat(self, req: ChatCompletionRequest, request_id: str) -> ResponseStream:
+        """A started chat stream; raises RouterError if it fails before its first output."""
+        return await self._start_stream(self._chat_run(req, request_id), req)
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResult:
+        """Token ids of a prompt or of a templated conversation. Raises RouterError."""
+        check_model(req.model, self.model_name)
+        if isinstance(req, TokenizeCompletionRequest):
+            ids = tuple(self._tokenizer.encode(req.prompt, req.add_special_tokens))
+        else:
+            ids = chat_prompt(req, self._tokenizer).token_ids
+        strs = tuple(self._tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return TokenizeResult(tokens=ids, max_model_len=self.max_model_len, token_strs=strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResult:
+        """Text of token ids (special tokens kept, as vLLM does). Raises RouterError."""
+        check_model(req.model, self.model_name)
+        ids = tuple(req.tokens)
+        if ids:
+            check_token_ids(ids, self._tokenizer)
+        return DetokenizeResult(self._tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _completion_run(self, req: CompletionRequest, request_id: str) -> GenerationRun:
+        check_model(req.model, self.model_name)
+        refuse_unsupported(req)
+        logprobs = completion_logprobs(req)
+        prompts = completion_prompts(req, self._tokenizer)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        for prompt in prompts:
+            check_context_length(len(prompt.token_ids), max_tokens, self.max_model_len)
+        params = sampling_params(req, max_tokens, logprobs)
+        plan = self._plan(f"cmpl-{request_id}", req, prompts, (params,) * len(prompts), req.echo)
+        return self._run(request_id, plan)
+
+    def _chat_run(self, req: ChatCompletionRequest, request_id: str) -> GenerationRun:
+        check_model(req.model, self.model_name)
+        refuse_unsupported(req)
+        check_chat_options(req)
+        logprobs = chat_logprobs(req)
+        prompt = chat_prompt(req, self._tokenizer)
+        max_tokens = chat_max_tokens(req)
+        check_context_length(len(prompt.token_ids), max_tokens, self.max_model_len)
+        if max_tokens is None:  # vLLM: whatever room the context leaves
+            max_tokens = self.max_model_len - len(prompt.token_ids)
+        params = sampling_params(req, max_tokens, logprobs)
+        plan = self._plan(f"chatcmpl-{request_id}", req, (prompt,), (params,))
+        return self._run(request_id, plan)
+
+    def _plan(
+        self,
+        response_id: str,
+        req: SamplingFields,
+        prompts: tuple[Prompt, ...],
+        params: tuple[SamplingParams, ...],
+        echo: bool | None = False,
+    ) -> GenerationPlan:
+        options = req.stream_options
+        include_usage = bool(req.stream and options and options.include_usage)
+        return GenerationPlan(
+            response_id=response_id,
+            created=int(self._wall_clock()),
+            model=self.model_name,
+            prompts=prompts,
+            params=params,
+            echo=bool(echo),
+            continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
+            prompt_tokens_details=self._prompt_tokens_details,
+        )
+
+    def _run(self, request_id: str, plan: GenerationPlan) -> GenerationRun:
+        return GenerationRun(
+            self._backend, self._tokenizer, self.metrics, request_id, plan, self._clock
+        )
+
+    async def _start_stream(self, run: GenerationRun, req: SamplingFields) -> ResponseStream:
+        try:
+            first = await run.next_update()
+        except BaseException:
+            await run.aclose()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _events(run, first, include_usage)
+        return ResponseStream(
+            run.head(), run.prompt_token_ids, run.n, run.num_choices, events, run.aclose
+        )
+
+
+async def _events(
+    run: GenerationRun, first: ChoiceUpdate | None, include_usage: bool
+) -> AsyncGenerator[StreamEvent, None]:
+    try:
+        update = first
+        while update is not None:
+            yield update
+            update = await run.next_update()
+        if include_usage:
+            yield UsageReport(run.usage())
+    except RouterError as exc:
+        logger.warning("stream %s failed after it started: %s", run.head().response_id, exc)
+        yield StreamFailure(exc)
+    except Exception as exc:  # a bug: still end the client's stream with an error event
+        logger.exception("stream %s failed after it started", run.head().response_id)
+        yield StreamFailure(WorkerFailure(f"internal router error ({type(exc).__name__})"))
+    finally:
+        await run.aclose()

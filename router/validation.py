@@ -1,0 +1,237 @@
+"""From a decoded OpenAI request to token ids and SamplingParams, or an InvalidRequest.
+
+Pure apart from the tokenizer: no I/O, no backend. Messages copy vLLM's where vLLM has one
+(context length, stream options, logprobs), so clients that parse them keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from router.errors import InvalidRequest, ModelNotFound
+from router.openai_models import (
+    ChatCompletionRequest,
+    ChatTemplateFields,
+    CompletionRequest,
+    SamplingFields,
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the backend will see it."""
+
+    token_ids: tuple[int, ...]
+    text: str | None
+    """The prompt's text (for echo); None when the client sent token ids."""
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Raises ModelNotFound unless `requested` is the served model (or omitted)."""
+    if requested is not None and requested != served:
+        raise ModelNotFound(requested)
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Raises InvalidRequest, with vLLM's message, when prompt + completion cannot fit."""
+    if max_tokens is None:
+        if prompt_len >= max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {prompt_len} tokens in the messages, Please reduce the length of "
+                "the messages.",
+                param="messages",
+            )
+        return
+    if prompt_len + max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param="max_tokens",
+        )
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    """Raises InvalidRequest for fields the router cannot honour (rather than ignoring them)."""
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    if req.use_beam_search:
+        raise InvalidRequest("beam search is not supported", param="use_beam_search")
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+    if req.prompt_logprobs is not None:
+        raise InvalidRequest("prompt_logprobs is not supported", param="prompt_logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequest(
+            f"response_format {req.response_format.type!r} is not supported",
+            param="response_format",
+        )
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """SamplingParams for `req` (n as requested); its ValueError becomes InvalidRequest."""
+    try:
+        return SamplingParams(
+            n=1 if req.n is None else req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[Prompt, ...]:
+    """The request's prompts, tokenized; raises InvalidRequest for an empty or bad prompt."""
+    prompt = req.prompt
+    if prompt is None or prompt == "" or prompt == []:
+        raise InvalidRequest(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        items = [prompt]  # type: ignore[list-item]  # one prompt given as token ids
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    return tuple(_one_prompt(item, tokenizer, req.add_special_tokens) for item in items)
+
+
+def _one_prompt(item: str | list[int], tokenizer: Tokenizer, add_special: bool) -> Prompt:
+    if isinstance(item, str):
+        ids = tuple(tokenizer.encode(item, add_special_tokens=add_special))
+        text: str | None = item
+    else:
+        ids, text = tuple(item), None
+    check_token_ids(ids, tokenizer)
+    return Prompt(token_ids=ids, text=text)
+
+
+def check_token_ids(ids: tuple[int, ...], tokenizer: Tokenizer) -> None:
+    """Raises InvalidRequest for an empty prompt or an id outside the vocabulary."""
+    if not ids:
+        raise InvalidRequest("The decoder prompt cannot be empty", param="prompt")
+    if max(ids) >= tokenizer.vocab_size:
+        raise InvalidRequest(f"Token id {max(ids)} is out of vocabulary", param="prompt")
+
+
+def completion_logprobs(req: CompletionRequest) -> int | None:
+    """The per-token top-k the completion asks for; refuses what cannot be served."""
+    if req.suffix is not None:
+        raise InvalidRequest("suffix is not currently supported", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest(
+            "echo with logprobs is not supported (it needs prompt logprobs)", param="echo"
+        )
+    return req.logprobs
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The per-token top-k the chat request asks for (None = no logprobs), as vLLM checks it."""
+    top = req.top_logprobs
+    if top is not None and top < 0:
+        raise InvalidRequest("`top_logprobs` must be a positive value.", param="top_logprobs")
+    if top and not req.logprobs:
+        raise InvalidRequest(
+            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+        )
+    return (top or 0) if req.logprobs else None
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """max_completion_tokens, else max_tokens (deprecated), else None."""
+    return req.max_completion_tokens or req.max_tokens
+
+
+def check_chat_options(req: ChatCompletionRequest) -> None:
+    """Raises InvalidRequest for chat options the router does not implement."""
+    if req.echo:
+        raise InvalidRequest("echo is not supported for chat completions", param="echo")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        raise InvalidRequest(
+            "tool_choice 'required' or a named function is not supported: this server does "
+            "not parse tool calls",
+            param="tool_choice",
+        )
+
+
+def chat_prompt(req: ChatTemplateFields, tokenizer: Tokenizer) -> Prompt:
+    """Render the conversation with the model's template and tokenize it."""
+    if req.chat_template is not None:
+        raise InvalidRequest(
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+            param="chat_template",
+        )
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    messages = [_message_dict(m) for m in req.messages]
+    text = _render(req, messages, tokenizer)
+    ids = tuple(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+    check_token_ids(ids, tokenizer)
+    return Prompt(token_ids=ids, text=text)
+
+
+def _render(req: ChatTemplateFields, messages: list[dict[str, Any]], tok: Tokenizer) -> str:
+    tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    try:
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tools=tools, **kwargs
+        )
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise InvalidRequest(str(exc), param="messages") from exc
+    if req.continue_final_message:
+        # As in transformers: cut the prompt right after the final message's content, so the
+        # model continues that message instead of closing it.
+        final = messages[-1].get("content") or ""
+        cut = text.rfind(final.strip()) if final.strip() else -1
+        if cut < 0:
+            raise InvalidRequest("continue_final_message: final message not found in prompt")
+        text = text[: cut + len(final.strip())]
+    return text
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    """A message as chat templates expect it: content flattened to one string."""
+    out = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"content part type {part.type!r} is not supported: this model reads text "
+                    "only",
+                    param="messages",
+                )
+            texts.append(part.text)
+        out["content"] = "\n".join(texts)
+    return out

@@ -1,0 +1,131 @@
+"""Cluster state key schema, WorkerInfo's hash round trip, and snapshot helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from router.cluster_keys import ClusterSnapshot, WorkerInfo, worker_key, workers_set_key
+
+
+def make_worker(**overrides) -> WorkerInfo:
+    values = dict(
+        worker_id="decode-0",
+        role="decode",
+        address="127.0.0.1:50051",
+        metrics_address="127.0.0.1:9100",
+        incarnation="3f2a9c",
+        block_size=16,
+        total_blocks=1024,
+        free_blocks=900,
+        reserved_blocks=12,
+        cached_blocks=40,
+        num_running=3,
+        num_waiting=1,
+        queued_prefill_tokens=512,
+        max_model_len=8192,
+        updated_at=1718000000.123456,
+    )
+    values.update(overrides)
+    return WorkerInfo(**values)
+
+
+def test_keys_live_under_the_cluster_prefix():
+    assert worker_key("prod", "decode-0") == "pdserve:prod:worker:decode-0"
+    assert workers_set_key("prod") == "pdserve:prod:workers"
+
+
+def test_empty_cluster_or_worker_id_is_rejected_in_keys():
+    with pytest.raises(ValueError, match="cluster name must not be empty"):
+        workers_set_key("")
+    with pytest.raises(ValueError, match="worker_id must not be empty"):
+        worker_key("prod", "")
+
+
+def test_to_hash_writes_every_field_as_a_string():
+    assert make_worker().to_hash() == {
+        "worker_id": "decode-0",
+        "role": "decode",
+        "address": "127.0.0.1:50051",
+        "metrics_address": "127.0.0.1:9100",
+        "incarnation": "3f2a9c",
+        "block_size": "16",
+        "total_blocks": "1024",
+        "free_blocks": "900",
+        "reserved_blocks": "12",
+        "cached_blocks": "40",
+        "num_running": "3",
+        "num_waiting": "1",
+        "queued_prefill_tokens": "512",
+        "max_model_len": "8192",
+        "updated_at": "1718000000.123456",
+    }
+
+
+def test_hash_round_trips_through_bytes_as_hgetall_returns_them():
+    worker = make_worker(metrics_address="", role="both")
+    as_bytes = {k.encode(): v.encode() for k, v in worker.to_hash().items()}
+    assert WorkerInfo.from_hash(as_bytes) == worker
+    assert WorkerInfo.from_hash(worker.to_hash()) == worker
+
+
+def test_from_hash_ignores_fields_it_does_not_know():
+    data = make_worker().to_hash() | {"throughput_tokens_per_s": "1234.5"}
+    assert WorkerInfo.from_hash(data) == make_worker()
+
+
+def test_from_hash_names_the_missing_fields():
+    data = make_worker().to_hash()
+    del data["free_blocks"], data["incarnation"]
+    with pytest.raises(ValueError) as info:
+        WorkerInfo.from_hash(data)
+    assert str(info.value) == "worker hash lacks field(s): incarnation, free_blocks"
+
+
+def test_from_hash_names_a_field_that_is_not_a_number():
+    data = make_worker().to_hash() | {"free_blocks": "many"}
+    with pytest.raises(ValueError) as info:
+        WorkerInfo.from_hash(data)
+    assert str(info.value) == "worker hash field free_blocks is not a number: 'many'"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("role", "router", "role must be one of prefill, decode, both; got 'router'"),
+        ("free_blocks", "-1", "worker 'decode-0': free_blocks must be an int >= 0; got -1"),
+        ("block_size", "0", "worker 'decode-0': block_size must be >= 1"),
+        ("updated_at", "nan", "worker 'decode-0': updated_at must be a finite number; got nan"),
+        ("incarnation", "", "worker 'decode-0': incarnation must not be empty"),
+        ("address", "", "worker 'decode-0': address must not be empty"),
+    ],
+)
+def test_from_hash_rejects_invalid_values(field, value, message):
+    data = make_worker().to_hash() | {field: value}
+    with pytest.raises(ValueError) as info:
+        WorkerInfo.from_hash(data)
+    assert str(info.value) == message
+
+
+def test_from_hash_rejects_bytes_that_are_not_utf8():
+    data = {k.encode(): v.encode() for k, v in make_worker().to_hash().items()}
+    data[b"worker_id"] = b"\xff\xfe"
+    with pytest.raises(ValueError, match="not UTF-8"):
+        WorkerInfo.from_hash(data)
+
+
+def test_worker_info_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make_worker().free_blocks = 0  # type: ignore[misc]
+
+
+def test_snapshot_counts_role_both_as_prefill_and_decode():
+    p = make_worker(worker_id="p", role="prefill")
+    d = make_worker(worker_id="d", role="decode")
+    b = make_worker(worker_id="b", role="both")
+    snapshot = ClusterSnapshot(workers=(b, d, p), taken_at=5.0, stale=False)
+    assert [w.worker_id for w in snapshot.prefill_workers()] == ["b", "p"]
+    assert [w.worker_id for w in snapshot.decode_workers()] == ["b", "d"]
+    assert snapshot.by_id("d") is d
+    assert snapshot.by_id("gone") is None

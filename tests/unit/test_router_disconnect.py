@@ -1,0 +1,103 @@
+"""A client that goes away makes the router abort the backend requests it started.
+
+These drive the ASGI app directly, so the test decides exactly when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from router.openai_models import CompletionRequest
+from tests.unit.router_doubles import ScriptedBackend, make_app, make_service, token_steps
+
+PARIS = [7042, 314, 9239, 30, 378, 1112]
+
+
+def scope(path: str) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"req-1")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("router", 80),
+    }
+
+
+def serve_until_gone(app, path: str, body: dict, gone: asyncio.Event | None = None,
+                     gone_after_chunks: int | None = None) -> list[dict]:  # fmt: skip
+    """Run one request; the client disconnects when `gone` is set or after N body chunks."""
+
+    async def go() -> list[dict]:
+        left_event = gone or asyncio.Event()
+        sent: list[dict] = []
+        pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop()
+            await left_event.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+            if gone_after_chunks is not None and len(chunks) >= gone_after_chunks:
+                left_event.set()
+
+        await asyncio.wait_for(app(scope(path), receive, send), timeout=5)
+        return sent
+
+    return asyncio.run(go())
+
+
+def test_client_disconnect_mid_stream_aborts_the_backend_request():
+    app, backend = make_app(token_steps(PARIS), hold_after=2)
+    body = {"prompt": "Hello", "max_tokens": 6, "stream": True}
+    sent = serve_until_gone(app, "/v1/completions", body, gone_after_chunks=2)
+    texts = [json.loads(m["body"][6:])["choices"][0]["text"] for m in sent[1:]]
+    assert texts == [" Paris", " is"]
+    assert sent[-1]["more_body"] is True  # the stream was cut, never finished
+    assert backend.aborted == ["req-1-0"]
+    assert backend.closed == ["req-1-0"]
+
+
+def test_client_disconnect_mid_chat_stream_aborts_every_choice():
+    app, backend = make_app(token_steps(PARIS), hold_after=1)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True}
+    serve_until_gone(app, "/v1/chat/completions", body, gone_after_chunks=4)
+    assert backend.aborted == ["req-1-0", "req-1-1"]
+
+
+def test_client_disconnect_while_waiting_for_a_whole_completion_aborts_the_backend():
+    app, backend = make_app(token_steps(PARIS), hold_after=1)
+    sent = serve_until_gone(app, "/v1/completions", {"prompt": "Hello"}, gone=backend.holding)
+    assert sent[0]["status"] == 499
+    assert backend.aborted == ["req-1-0"]
+
+
+def test_client_disconnect_before_the_first_token_of_a_stream_aborts_the_backend():
+    app, backend = make_app(token_steps(PARIS), hold_after=0)
+    body = {"prompt": "Hello", "stream": True}
+    sent = serve_until_gone(app, "/v1/completions", body, gone=backend.holding)
+    assert sent[0]["status"] == 499
+    assert backend.aborted == ["req-1-0"]
+
+
+def test_a_started_stream_closed_without_being_read_aborts_the_backend():
+    backend = ScriptedBackend(token_steps(PARIS))
+    service = make_service(backend)
+
+    async def go():
+        stream = await service.stream_complete(CompletionRequest(prompt="Hello", stream=True), "r")
+        await stream.aclose()
+
+    asyncio.run(go())
+    assert backend.aborted == ["r-0"]
