@@ -112,6 +112,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default="default")
     g.add_argument("--kv-transfer", default="gloo")
     g.add_argument("--api-key", default=None)
+    g.add_argument("--policy", default="least_loaded", help="routing policy (round_robin, least_loaded)")
     add_engine_args(up)
 
 

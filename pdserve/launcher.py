@@ -103,6 +103,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "pdserve", "router", "--host", self.args.host,
                "--port", str(self.args.port), "--grpc-port", str(self.args.grpc_port),
                "--redis-url", redis_url, "--cluster", self.args.cluster, "--ready-file", str(ready),
+               "--policy", self.args.policy,
                "--log-level", self.args.log_level]
         for name in ("model", "tokenizer", "served_model_name", "max_model_len"):
             value = getattr(self.args, name, None)
@@ -122,12 +123,19 @@ class LocalCluster:
             stop["flag"] = True
 
         signal.signal(signal.SIGTERM, on_signal)
+        reported: set[str] = set()
         try:
             while not stop["flag"]:
                 for child in self.children:
-                    if child.process.poll() is not None:
-                        logger.error("%s exited with code %s; stopping the cluster", child.name, child.process.returncode)
+                    if child.process.poll() is None or child.name in reported:
+                        continue
+                    if child.name == "router":
+                        logger.error("the router exited with code %s; stopping the cluster", child.process.returncode)
                         return 1
+                    # The others keep serving: the router fails over once the heartbeat expires.
+                    logger.error("%s exited with code %s; the cluster goes on without it",
+                                 child.name, child.process.returncode)
+                    reported.add(child.name)
                 time.sleep(0.2)
         except KeyboardInterrupt:
             pass

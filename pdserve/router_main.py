@@ -58,6 +58,9 @@ def build_service(args: argparse.Namespace):
     reader = ClusterStateReader(args.redis_url, args.cluster)
     backend = ClusterBackend(reader.snapshot, make_policy(args.policy).choose, args.ticket_timeout)
     service = RouterService(tokenizer, backend, name, max_model_len)
+    from router.cluster_metrics import ClusterCollector
+
+    service.metrics.registry.register(ClusterCollector(backend, reader))
     return service, backend, reader
 
 
