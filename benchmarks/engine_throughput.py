@@ -307,11 +307,17 @@ def goal_lines(results: list[Measured]) -> list[str]:
         if m is None:
             lines.append(f"goal decode bs={batch} >= {goal:.1f}x: not measured")
             continue
-        verdict = "MET" if m.ratio >= goal else "NOT MET"
+        # Load from other processes only ever slows a run down, and it can hit ours or HF's
+        # run alone; a goal counts only when both estimates agree.
+        phase_met, step_met = m.ratio >= goal, m.step_ratio >= goal
+        verdict = (
+            "MET" if phase_met and step_met
+            else "NOT MET" if not (phase_met or step_met)
+            else "UNCLEAR (the two estimates disagree: load noise; run again)"
+        )
         lines.append(
-            f"goal decode bs={batch} >= {goal:.1f}x: {m.ratio:.2f}x -> {verdict} "
-            f"(median-step ratio {m.step_ratio:.2f}x: "
-            f"{'met' if m.step_ratio >= goal else 'not met'})"
+            f"goal decode bs={batch} >= {goal:.1f}x: {verdict} "
+            f"(decode-phase ratio {m.ratio:.2f}x, median-step ratio {m.step_ratio:.2f}x)"
         )
     return lines
 

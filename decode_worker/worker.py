@@ -18,8 +18,8 @@ commands and read an asyncio queue per request.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -55,7 +55,6 @@ class DecodeWorker:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)
-        self._tickets = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self.transfers = 0
         """Received transfers, counted on the loop thread (with their bytes and seconds)."""
@@ -93,7 +92,11 @@ class DecodeWorker:
             reservation = self.core.reserve_remote(request)
             if reservation is None:
                 return None
-            ticket_id = next(self._tickets)
+            # Random 62-bit ids: a prefill worker serves many decode workers, so ids must be
+            # unique across them without coordination (a counter per worker would collide).
+            ticket_id = secrets.randbits(62) or 1
+            while ticket_id in self._pending:
+                ticket_id = secrets.randbits(62) or 1
             self._pending[ticket_id] = _Pending(
                 request_id, reservation.block_ids, time.monotonic() + ticket_timeout_s
             )

@@ -92,7 +92,8 @@ class PrefillWorker:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)
-        self._addresses: dict[tuple[str, str], ChannelAddress] = {}
+        self._addresses: dict[tuple[str, str], asyncio.Future[ChannelAddress]] = {}
+        """One OpenChannel per decode worker incarnation, shared by concurrent requests."""
         self._in_flight: dict[int, _InFlight] = {}
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
@@ -141,9 +142,15 @@ class PrefillWorker:
 
     async def _channel(self, target: DecodeTarget) -> ChannelAddress:
         key = (target.decode_address, target.incarnation)
-        if key not in self._addresses:
-            self._addresses[key] = await self._open_channel(target.decode_address)
-        return self._addresses[key]
+        opening = self._addresses.get(key)
+        if opening is None:
+            opening = self._addresses[key] = asyncio.ensure_future(self._open_channel(target.decode_address))
+        try:
+            return await asyncio.shield(opening)
+        except Exception:
+            if self._addresses.get(key) is opening:
+                del self._addresses[key]  # the next request tries again
+            raise
 
     # ------------------------------------------------------- loop thread only
     def _send(self, request_id, first: EngineCoreOutput, address, target: DecodeTarget, done: Future) -> None:

@@ -126,6 +126,25 @@ def test_router_and_worker_metrics_show_kv_transfers(cluster):
         assert _metric(text, "pdserve_kv_transfer_seconds_total") > 0, worker_id
 
 
+def test_client_disconnect_mid_stream_frees_blocks_on_both_sides(cluster):
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={
+                "model": "SmolLM2-135M-Instruct", "prompt": list(prompt_token_ids()[20]), "max_tokens": 900,
+                "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        running = sum(_metric(cluster.metrics(w), "vllm:num_requests_running") for w in cluster.workers)
+        if running == 0:
+            break
+        time.sleep(0.2)
+    assert running == 0
+
+
 def test_every_block_is_free_on_every_worker_afterwards(cluster):
     deadline = time.monotonic() + 30
     while True:
