@@ -24,7 +24,9 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """Nothing listens there (TIME_WAIT leftovers of closed connections do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -45,9 +47,14 @@ class RunningCluster:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    def worker_pids(self, worker_id: str) -> list[int]:
+        """This cluster's processes for a worker (children of its own `pdserve up`)."""
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "--", f"--worker-id {worker_id} "],
+                             capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
     def worker_pid(self, worker_id: str) -> int:
-        out = subprocess.run(["pgrep", "-f", "--", f"--worker-id {worker_id} "], capture_output=True, text=True)
-        pids = [int(p) for p in out.stdout.split()]
+        pids = self.worker_pids(worker_id)
         assert len(pids) == 1, f"expected one process for {worker_id}, found {pids}"
         return pids[0]
 

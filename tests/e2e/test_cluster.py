@@ -39,18 +39,24 @@ def cluster(reference, tmp_path_factory):
                       "--max-model-len", "1024", "--kv-cache-memory", "256MiB")
     try:
         yield c
+        worker_pids = {w: c.worker_pid(w) for w in c.workers}
     finally:
         c.stop()
     time.sleep(1)
-    leftovers = [w for w in c.workers if _pgrep(f"--worker-id {w} ")]
+    leftovers = [w for w, pid in worker_pids.items() if _alive(pid)]
     assert not leftovers, f"worker processes left running: {leftovers}"
-    assert port_is_free(c.http_port) and port_is_free(c.grpc_port)
+    busy = [a for w in c.workers for a in c.workers[w] if not port_is_free(int(a.rsplit(":", 1)[1]))]
+    assert port_is_free(c.http_port) and port_is_free(c.grpc_port) and not busy, busy
 
 
-def _pgrep(pattern: str) -> list[str]:
-    import subprocess
+def _alive(pid: int) -> bool:
+    import os
 
-    return subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_openai_client_chats_streaming_and_not(cluster):
