@@ -15,7 +15,8 @@ Method (printed with the results too):
   raw: from P's send() to D's recv().wait() returning, with D's recv posted beforehand into
   a buffer it has already touched (CLOCK_MONOTONIC is shared by both processes).
   ours: P's TransferResult.seconds, what the data plane itself reports: doorbell -> header
-  -> payload -> D's ack back at P. Every repeat does ours, raw and raw into a fresh buffer
+  -> payload -> D's ack back at P; D recycles each payload once polled, as a decode worker
+  does after importing its blocks. Every repeat does ours, raw and raw into a fresh buffer
   back to back; the tables show medians.
 - TTFT: `pdserve up` (disaggregated: 1 prefill + 1 decode worker; colocated: 1 worker), one
   cluster at a time; streaming POST /v1/completions with token-id prompts, max_tokens 8,
@@ -158,7 +159,9 @@ def serve_commands(conn, receiver, group: ProcessGroupGloo) -> None:
             r = kv.result
             conn.send(("ours_done", r.ticket_id, r.state.value, r.nbytes, r.seconds, polled,
                        r.error))
-            del got, kv  # the payload is dropped here, as a decode worker would after unpacking
+            if kv.payload is not None:  # as a decode worker does once it imported the blocks
+                receiver.recycle(kv.payload)
+            del got, kv
         else:
             raise ValueError(f"unknown command {msg!r}")
 
@@ -458,13 +461,14 @@ def ttft_rows(results: dict[str, TTFTResult]) -> list[list[str]]:
 
 
 def gap_line(r: SizeResult, empty_s: float) -> str:
-    """Split ours - raw (medians) into the fresh receive buffer, the fixed per-transfer cost and a rest."""
+    """Split ours - raw (medians) into the fixed per-transfer cost and a rest; show what a fresh
+    receive buffer costs (D receives into recycled buffers, so it is not part of the gap)."""
     med = statistics.median
     gap = med(o.wire_s for o in r.ours) - med(r.raw_s)
     fresh = med(r.raw_fresh_s) - med(r.raw_s)
-    return (f"{r.tokens} tokens: ours - raw = {ms(gap)} ms, of which receiving into a fresh buffer "
-            f"(raw fresh - raw) {ms(fresh)} ms, fixed per-transfer cost (0-block transfer) "
-            f"{ms(empty_s)} ms, rest {ms(gap - fresh - empty_s)} ms")
+    return (f"{r.tokens} tokens: ours - raw = {ms(gap)} ms, of which fixed per-transfer cost "
+            f"(0-block transfer) {ms(empty_s)} ms, rest {ms(gap - empty_s)} ms; receiving into a "
+            f"fresh buffer instead would cost (raw fresh - raw) {ms(fresh)} ms more")
 
 
 def notes(shape: KVShape, transfers: list[SizeResult], empty_s: float,
@@ -492,10 +496,12 @@ def method_lines(args, loads: list[str]) -> list[str]:
     return [
         f"transfer: median of {args.repeat} runs per size after 1 warm-up; D in a spawned child, P in "
         "this process, 127.0.0.1. ours = GlooBackend, P's TransferResult.seconds (doorbell in D's "
-        "TCPStore, header, payload into a payload D allocates per transfer, ack); raw = one plain "
+        "TCPStore, header, payload, ack; D recycles each payload after poll() into its receive "
+        "buffer pool, as a decode worker does after importing the blocks); raw = one plain "
         "ProcessGroupGloo send of a float32 tensor of the same bytes between the same processes, "
         "from P's send() to D's recv().wait() (posted beforehand, buffer touched once and reused); "
-        "'raw, fresh buffer' receives into a new torch.empty each time, as our receiver does. "
+        "'raw, fresh buffer' receives into a new torch.empty each time (what our receiver does "
+        "without recycled buffers). "
         f"Both ends poll every {POLL_S * 1e3:g} ms. GB/s = 1e9 bytes/s. pack ms is pack_blocks of "
         "scattered block ids on P (into a new tensor), outside the ratio.",
         f"TTFT: pdserve up {' '.join(CLUSTER_FLAGS)}; disaggregated {' '.join(MODES['disaggregated'])}, "

@@ -149,6 +149,7 @@ class DecodeWorker:
             return
         del self._pending[ticket_id]
         self.core.import_blocks(pending.block_ids, received.payload)
+        self.receiver.recycle(received.payload)  # copied into blocks: D may receive into it again
         self.transfers += 1
         self.transfer_bytes += received.result.nbytes
         self.transfer_seconds += received.result.seconds

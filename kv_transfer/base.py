@@ -168,6 +168,9 @@ class TransferConfig:
     """Most channels (process groups) a ChannelPool on P keeps open."""
     device: str = "cpu"
     """Where D allocates received payloads ("cpu" for gloo, "cuda:N" for nccl)."""
+    recv_buffer_pool_bytes: int = 1 << 30
+    """Most bytes of recycled payload memory D keeps idle for later transfers (CPU payloads
+    only: on a GPU the caching allocator already reuses memory). 0 turns the pool off."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s"):
@@ -175,6 +178,9 @@ class TransferConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_channels <= 0:
             raise ValueError(f"max_channels must be positive, got {self.max_channels}")
+        if self.recv_buffer_pool_bytes < 0:
+            raise ValueError(
+                f"recv_buffer_pool_bytes must be >= 0, got {self.recv_buffer_pool_bytes}")
 
 
 class KVSender(ABC):
@@ -240,6 +246,16 @@ class KVReceiver(ABC):
         """Transfers finished since the last poll, from all channels, each returned once.
 
         Does not block. The caller owns each returned payload.
+        """
+
+    def recycle(self, payload: torch.Tensor) -> None:
+        """Hand back a payload poll() returned, once the caller has copied it out (e.g. into
+        KV blocks); the receiver may receive a later transfer into the same memory.
+
+        Optional: never recycling is correct, only slower. The caller must not read or write
+        `payload` (or any view of it) afterwards, and must never pass a tensor still in use.
+        Does not block beyond a lock; mutates only the receiver's idle memory. This default
+        keeps nothing.
         """
 
     @abstractmethod

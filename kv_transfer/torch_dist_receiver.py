@@ -27,6 +27,7 @@ from kv_transfer.base import (
     TransferState,
 )
 from kv_transfer.packing import empty_payload
+from kv_transfer.recv_pool import RecvBufferPool
 from kv_transfer import wire
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class TorchDistReceiver(KVReceiver):
         self._store = wire.host_store(self._config.host, self._config.connect_timeout_s)
         self.host, self.port = self._config.host, self._store.port
         self._inbox: deque[ReceivedKV] = deque()  # appended by channel threads
+        # Shared by all channels; CPU only (a GPU's caching allocator already reuses memory).
+        on_cpu = torch.device(self._config.device).type == "cpu"
+        self._pool = RecvBufferPool(self._config.recv_buffer_pool_bytes if on_cpu else 0)
         self._channels: dict[str, _Channel] = {}
         self._closed = False
 
@@ -52,7 +56,8 @@ class TorchDistReceiver(KVReceiver):
             raise RuntimeError("receiver is closed")
         self._channels = {k: c for k, c in self._channels.items() if c.thread.is_alive()}
         address = ChannelAddress(self.host, self.port, uuid.uuid4().hex)
-        self._channels[address.channel_id] = _Channel(self._backend, address, self._inbox)
+        self._channels[address.channel_id] = _Channel(self._backend, address, self._inbox,
+                                                      self._pool)
         return address
 
     def close_channel(self, address: ChannelAddress) -> None:
@@ -66,6 +71,9 @@ class TorchDistReceiver(KVReceiver):
         while self._inbox:
             items.append(self._inbox.popleft())
         return items
+
+    def recycle(self, payload: torch.Tensor) -> None:
+        self._pool.put(payload)
 
     def close(self) -> None:
         if self._closed:
@@ -83,11 +91,12 @@ class _Channel:
     """One P's channel on D: its thread, and the doorbell sequence number it waits on."""
 
     def __init__(self, backend: TorchDistBackend, address: ChannelAddress,
-                 inbox: deque[ReceivedKV]) -> None:
+                 inbox: deque[ReceivedKV], pool: RecvBufferPool) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
         self._inbox = inbox
+        self._pool = pool
         self._lock = threading.Lock()
         self._seq = 0  # the ring D waits on next; guarded by _lock
         self._stopping = False
@@ -156,7 +165,10 @@ class _Channel:
         except Exception as e:  # noqa: BLE001 - no header: nothing to report per ticket
             log.warning("kv channel %s broken reading a header: %s", self.address.channel_id, e)
             return False
-        payload = empty_payload(header, device)
+        if self._pool.budget_bytes:  # off on a GPU, or by config
+            payload = self._pool.take(header)
+        else:
+            payload = empty_payload(header, device)
         try:
             if header.payload_nbytes:
                 deadline.wait(group.recv([payload], wire.RANK_P, wire.TAG_PAYLOAD))
@@ -167,6 +179,7 @@ class _Channel:
                      f"failed after {deadline.elapsed():.2f}s: {e}")
             result = TransferResult(header.ticket_id, TransferState.FAILED, 0,
                                     deadline.elapsed(), error)
+            # payload is not pooled again: a timed-out recv may still write into it.
             self._inbox.append(ReceivedKV(header, None, result))
             return False
         result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,

@@ -79,7 +79,10 @@ def test_config_rejects_non_positive_limits():
         TransferConfig(timeout_s=0)
     with pytest.raises(ValueError, match="max_channels must be positive, got 0"):
         TransferConfig(max_channels=0)
+    with pytest.raises(ValueError, match="recv_buffer_pool_bytes must be >= 0, got -1"):
+        TransferConfig(recv_buffer_pool_bytes=-1)
     assert TransferConfig().host == "127.0.0.1"
+    assert TransferConfig(recv_buffer_pool_bytes=0).recv_buffer_pool_bytes == 0
 
 
 def test_registry_lists_the_three_backends_and_names_them_on_a_miss():
