@@ -35,6 +35,7 @@ proto: install
 
 bench: install
 	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/transfer_bandwidth.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
