@@ -286,3 +286,4 @@ KV_TRANSFER_BACKENDS: Registry[type[KVTransferBackend]] = Registry("kv transfer 
 KV_TRANSFER_BACKENDS.register("local", "kv_transfer.local:LocalBackend")
 KV_TRANSFER_BACKENDS.register("gloo", "kv_transfer.gloo:GlooBackend")
 KV_TRANSFER_BACKENDS.register("nccl", "kv_transfer.nccl:NcclBackend")
+KV_TRANSFER_BACKENDS.register("cuda_ipc", "kv_transfer.cuda_ipc:CudaIpcBackend")

@@ -22,8 +22,8 @@ def store_kv_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.
     flat = _raw(kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].to(torch.int64)
-    flat[0][slots] = _raw(key[keep].to(kv_cache.dtype))
-    flat[1][slots] = _raw(value[keep].to(kv_cache.dtype))
+    flat[0][slots] = _raw(key.to(kv_cache.dtype))[keep]
+    flat[1][slots] = _raw(value.to(kv_cache.dtype))[keep]
 
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
@@ -60,7 +60,7 @@ def pack_blocks_ref(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int])
     """A new payload holding block_ids of every layer, in order."""
     ids = torch.tensor([int(b) for b in block_ids], dtype=torch.int64,
                        device=kv_caches[0].device)
-    return torch.stack([cache[:, ids] for cache in kv_caches])
+    return torch.stack([_raw(cache)[:, ids] for cache in kv_caches]).view(kv_caches[0].dtype)
 
 
 def unpack_blocks_ref(payload: torch.Tensor, kv_caches: Sequence[torch.Tensor],

@@ -54,8 +54,21 @@ def _from_cache(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -
     return (x.view(cache_dtype) if cache_dtype in _FP8 else x).to(dtype)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_kernels(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """CUDA tensors use engine.kernels (cupy); fp8 caches and the CPU keep the torch path."""
+    return x.is_cuda and kv_cache.dtype == x.dtype and x.dtype in _KERNEL_DTYPES
+
+
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v ([num_tokens, num_kv_heads, head_dim]) into their slots (in place)."""
+    if _use_kernels(k, kv_cache):
+        from engine.kernels import store_kv
+
+        store_kv(kv_cache, slot_mapping, k, v)
+        return
     flat = _flat(kv_cache)
     flat[0].index_copy_(0, slot_mapping, _to_cache(k, kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, _to_cache(v, kv_cache.dtype))
@@ -73,6 +86,12 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode_index is not None:
         assert meta.decode_slots is not None, "decode_index without decode_slots"
+        if _use_kernels(q, kv_cache) and q.shape[-1] <= 256:
+            from engine.kernels import decode_block_tables, paged_decode_attention
+
+            tables, lengths = decode_block_tables(meta.decode_slots, meta.decode_mask, kv_cache.shape[2])
+            out[meta.decode_index] = paged_decode_attention(q[meta.decode_index], kv_cache, tables, lengths, scale)
+            return _prefills(q, flat, cache_dtype, meta, scale, out)
         # [num_decodes, num_kv_heads, max_context, head_dim]
         k = _from_cache(flat[0][meta.decode_slots], cache_dtype, q.dtype).transpose(1, 2)
         v = _from_cache(flat[1][meta.decode_slots], cache_dtype, q.dtype).transpose(1, 2)
@@ -81,6 +100,11 @@ def paged_attention(
             qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
         out[meta.decode_index] = o.squeeze(2)
+    return _prefills(q, flat, cache_dtype, meta, scale, out)
+
+
+def _prefills(q, flat, cache_dtype, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Multi-token queries (prompt chunks) attend over their whole context (torch path)."""
     for span in meta.prefills:
         k = _from_cache(flat[0][span.slots], cache_dtype, q.dtype).transpose(0, 1).unsqueeze(0)
         v = _from_cache(flat[1][span.slots], cache_dtype, q.dtype).transpose(0, 1).unsqueeze(0)

@@ -86,10 +86,10 @@ def test_config_rejects_non_positive_limits():
 
 
 def test_registry_lists_the_three_backends_and_names_them_on_a_miss():
-    assert KV_TRANSFER_BACKENDS.names() == ["gloo", "local", "nccl"]
+    assert KV_TRANSFER_BACKENDS.names() == ["cuda_ipc", "gloo", "local", "nccl"]
     with pytest.raises(KeyError) as info:
         KV_TRANSFER_BACKENDS.get("ucx")
-    assert info.value.args[0] == "unknown kv transfer backend 'ucx'; known: gloo, local, nccl"
+    assert info.value.args[0] == "unknown kv transfer backend 'ucx'; known: cuda_ipc, gloo, local, nccl"
 
 
 def test_registry_loads_the_gloo_backend_class_lazily():
