@@ -37,12 +37,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 import torch  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, run_header, text_table  # noqa: E402
+
+Kind = Literal["decode", "prefill"]
 
 GOALS = {1: 1.0, 32: 1.5}
 """batch size -> minimum decode ratio ours/HF."""
@@ -63,7 +66,7 @@ class Timed:
 @dataclass(frozen=True)
 class Config:
     name: str
-    kind: str  # "decode" or "prefill"
+    kind: Kind
     num_prompts: int
     prompt_len: int
     new_tokens: int
@@ -133,7 +136,7 @@ def load_ours(args: argparse.Namespace):
     )
 
 
-def run_ours(llm, prompts: list[list[int]], new_tokens: int, kind: str) -> Timed:
+def run_ours(llm, prompts: list[list[int]], new_tokens: int, kind: Kind) -> Timed:
     """Run the prompts to completion; time the decode phase or the whole call (prefill)."""
     from engine import SamplingParams
 
@@ -180,7 +183,7 @@ class _StepClock:
         return scores
 
 
-def run_hf(model, prompts: list[list[int]], new_tokens: int, kind: str) -> Timed:
+def run_hf(model, prompts: list[list[int]], new_tokens: int, kind: Kind) -> Timed:
     from transformers import LogitsProcessorList
 
     input_ids = torch.tensor(prompts, dtype=torch.int64)  # equal lengths: no padding, no mask
@@ -339,6 +342,9 @@ def check_lines(results: list[Measured]) -> list[str]:
 
 def method_lines(args, hf_model) -> list[str]:
     attn = getattr(hf_model.config, "_attn_implementation", "?")
+    # transformers can keep GGUF weights packed behind its own kernels; then HF is not dense.
+    linear = type(hf_model.get_output_embeddings()).__name__
+    mlp = type(hf_model.model.layers[0].mlp.down_proj).__name__
     return [
         f"dtype {args.dtype}, {args.threads} threads, median of {args.repeat} runs after 1 warm-up, "
         f"fresh random prompts (seed {args.seed}) per run.",
@@ -353,7 +359,8 @@ def method_lines(args, hf_model) -> list[str]:
         f"prefill: {args.prefill_prompts} prompts of {args.prompt_len} tokens as ONE batch, 1 new token; "
         "tok/s = prompt tokens / seconds of the whole call "
         "(ours: add_request + step() to completion; HF: generate(max_new_tokens=1)).",
-        f"HF attention implementation: {attn}. Load average (1/5/15 min) at the end: "
+        f"HF attention implementation: {attn}; HF layers: {mlp} (MLP), {linear} (lm_head). "
+        "Load average (1/5/15 min) at the end: "
         + " / ".join(f"{x:.2f}" for x in os.getloadavg())
         + " (other jobs on this host make the numbers noisy).",
     ]

@@ -62,6 +62,9 @@ class EngineConfig:
     """torch intra-op threads for this process; None: all cores of the host."""
     seed: int = 0
     """Seed of the default generator (requests without their own seed)."""
+    cpu_packed_weights: bool = True
+    """On CPU, run linears on oneDNN-packed weights (about 2x faster in float32; results
+    differ from plain F.linear in the last bits). False: plain torch linears."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
 

@@ -63,6 +63,10 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         cache_dir = Path(config.weights_cache_dir or default_cache_dir())
         loaded = load_model(config.model, self.dtype, self.device, cache_dir)
+        if config.cpu_packed_weights and self.device.type == "cpu":
+            from engine.model.packed_linear import pack_linears
+
+            logger.info("oneDNN-packed weights for %d linears", pack_linears(loaded.module))
         self.model_path = loaded.path
         self.spec = loaded.spec
         self.load_seconds = loaded.load_seconds
