@@ -40,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU, run linears on oneDNN-packed weights (faster; last bits differ from F.linear)")
     g.add_argument("--config", type=Path, default=None, help="YAML file of flag values (flags win)")
 
 

@@ -38,6 +38,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             flags += [flag, str(value)]
     if getattr(args, "enable_prefix_caching", True) is False:
         flags.append("--no-enable-prefix-caching")
+    if getattr(args, "cpu_packed_weights", True) is False:
+        flags.append("--no-cpu-packed-weights")
     return flags
 
 
