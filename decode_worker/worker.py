@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
 from engine.serving_loop import ServingLoop
 from kv_transfer.base import ChannelAddress, KVReceiver, ReceivedKV
+from kv_transfer.packing import unpack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class DecodeWorker:
             self._fail(ticket_id, f"got {received.header.num_blocks} blocks, reserved {len(pending.block_ids)}")
             return
         del self._pending[ticket_id]
-        self.core.import_blocks(pending.block_ids, received.payload)
+        unpack_blocks(received.payload, self.core.kv_caches, pending.block_ids)
         self.receiver.recycle(received.payload)  # copied into blocks: D may receive into it again
         self.transfers += 1
         self.transfer_bytes += received.result.nbytes

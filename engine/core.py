@@ -7,10 +7,11 @@ Workers drive an EngineCore directly (the router detokenizes); the offline LLMEn
 adds text, stop strings and n > 1 on top.
 
 Disaggregated modes use the same loop plus two pairs of verbs:
-  prefill worker  hold_finished_blocks=True: a finished request keeps its blocks until
-                  `export_blocks` has packed them and `release_blocks` frees them;
-  decode worker   `reserve_remote` allocates blocks for a prompt computed elsewhere,
-                  `import_blocks` + `commit_remote` fill them and start decoding.
+  prefill worker  hold_finished_blocks=True: a finished request keeps its blocks
+                  (`held_block_ids`) until the worker has packed them from `kv_caches`
+                  (kv_transfer.packing) and `release_blocks` frees them;
+  decode worker   `reserve_remote` allocates blocks for a prompt computed elsewhere; the
+                  worker unpacks the received KV into them and `commit_remote` starts decoding.
 """
 
 from __future__ import annotations
@@ -139,12 +140,14 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     # ------------------------------------------------------ prefill worker side
-    def export_blocks(self, request_id: str, first_block: int = 0) -> torch.Tensor:
-        """Copy of a held request's blocks from `first_block` on, all layers:
-        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
-        block_ids = self.scheduler.held_block_ids(request_id)[first_block:]
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return torch.stack([cache.index_select(1, index) for cache in self.runner.kv_caches])
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Per-layer KV tensors [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.runner.kv_caches
+
+    def held_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """Blocks a finished request still holds (prefill side, until release_blocks)."""
+        return self.scheduler.held_block_ids(request_id)
 
     def release_blocks(self, request_id: str) -> None:
         self.scheduler.release_held(request_id)
@@ -152,16 +155,6 @@ class EngineCore:
     # ------------------------------------------------------- decode worker side
     def reserve_remote(self, request: Request) -> Reservation | None:
         return self.scheduler.reserve(request)
-
-    def import_blocks(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """Write a received [num_layers, 2, n, block_size, heads, head_dim] payload into blocks."""
-        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        for layer, cache in enumerate(self.runner.kv_caches):
-            data = payload[layer].to(device=self.device)
-            if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                cache.view(torch.uint8).index_copy_(1, index, data.to(cache.dtype).view(torch.uint8))
-            else:
-                cache.index_copy_(1, index, data.to(cache.dtype))
 
     def commit_remote(self, request_id: str, first_token_id: int) -> EngineCoreOutput | None:
         return self.scheduler.commit(request_id, first_token_id)

@@ -29,8 +29,8 @@ from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
 from engine.serving_loop import ServingLoop
-from kv_transfer.base import ChannelAddress, TransferHeader, TransferState
-from kv_transfer.packing import dtype_code
+from kv_transfer.base import ChannelAddress, TransferState
+from kv_transfer.packing import make_header, pack_blocks
 from kv_transfer.pool import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -155,19 +155,10 @@ class PrefillWorker:
     # ------------------------------------------------------- loop thread only
     def _send(self, request_id, first: EngineCoreOutput, address, target: DecodeTarget, done: Future) -> None:
         block_size = self.core.config.block_size
-        payload = self.core.export_blocks(request_id, target.num_cached_tokens // block_size)
-        self.core.release_blocks(request_id)  # export copied them
-        spec = self.core.spec
-        header = TransferHeader(
-            ticket_id=target.ticket_id,
-            first_token_id=first.new_token_ids[0],
-            num_layers=spec.num_layers,
-            num_blocks=payload.shape[2],
-            block_size=block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=dtype_code(payload.dtype),
-        )
+        block_ids = self.core.held_block_ids(request_id)[target.num_cached_tokens // block_size:]
+        payload = pack_blocks(self.core.kv_caches, block_ids)
+        self.core.release_blocks(request_id)  # pack_blocks copied them
+        header = make_header(target.ticket_id, first.new_token_ids[0], payload)
         if payload.shape[2] != target.num_blocks:
             done.set_exception(TransferFailed(
                 f"ticket {target.ticket_id}: decode reserved {target.num_blocks} blocks, prompt has "

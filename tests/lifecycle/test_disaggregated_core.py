@@ -9,6 +9,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import Request
+from kv_transfer.packing import pack_blocks, unpack_blocks
 from engine.sampling_params import SamplingParams
 from engine.loader.locate import default_model_path
 from tests.tiny_model import tiny_llm
@@ -41,10 +42,10 @@ def _disaggregated(prefill: EngineCore, decode: EngineCore, request_id: str, pro
         if first is not None:
             break
     first_block = reservation.num_cached_tokens // BLOCK
-    payload = prefill.export_blocks(request_id, first_block)
+    payload = pack_blocks(prefill.kv_caches, prefill.held_block_ids(request_id)[first_block:])
     assert payload.shape[2] == len(reservation.block_ids)
     prefill.release_blocks(request_id)
-    decode.import_blocks(reservation.block_ids, payload)
+    unpack_blocks(payload, decode.kv_caches, reservation.block_ids)
     tokens = [first]
     done = decode.commit_remote(request_id, first)
     while done is None:
