@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer

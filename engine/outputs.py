@@ -6,6 +6,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw logprobs (of the model's logits, before penalties and temperature) for one
+    generated token; the sampler makes them, the router and workers pass them on."""
+
+    token_id: int
+    """The sampled token."""
+    logprob: float
+    """The sampled token's natural-log probability."""
+    rank: int
+    """How many tokens have a logprob >= the sampled token's (1 = the most likely)."""
+    top: tuple[tuple[int, float], ...]
+    """The requested number of most likely (token_id, logprob) pairs, most likely first."""
+
+
+@dataclass(frozen=True)
 class Logprob:
     logprob: float
     rank: int | None = None

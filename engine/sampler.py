@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs"]
@@ -50,20 +51,6 @@ class SamplingRow:
     The caller owns it and keeps it across steps; the sampler advances it by one draw of
     ``vocab`` exponentials per step in which this row is sampled randomly.
     """
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Raw logprobs (of the model's logits, before penalties and temperature) for one token."""
-
-    token_id: int
-    """The sampled token."""
-    logprob: float
-    """The sampled token's logprob."""
-    rank: int
-    """How many tokens have a logprob >= the sampled token's (1 = the most likely)."""
-    top: tuple[tuple[int, float], ...]
-    """The params.logprobs most likely (token_id, logprob) pairs, most likely first."""
 
 
 @dataclass(frozen=True)

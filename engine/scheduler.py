@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 

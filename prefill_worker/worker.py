@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from engine.core import EngineCore
 from engine.request import Request
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
 from engine.serving_loop import ServingLoop
