@@ -28,6 +28,8 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZ
 from engine.device import (
     available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
 )
+from engine.kv_cache.block_pool import BlockEvents
+from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.manager import KVCacheManager
 from engine.loader.model_loader import load_model
 from engine.loader.weights_cache import default_cache_dir
@@ -158,6 +160,16 @@ class EngineCore:
 
     def commit_remote(self, request_id: str, first_token_id: int) -> EngineCoreOutput | None:
         return self.scheduler.commit(request_id, first_token_id)
+
+    # ------------------------------------------------------- prefix-cache events
+    def take_block_events(self) -> BlockEvents:
+        """Block hashes stored into / evicted from the prefix cache since the last call
+        (loop thread only; the caller publishes them for the cluster's prefix index)."""
+        return self.kv.take_events()
+
+    def cached_block_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash findable in the prefix cache now (a full snapshot for the index)."""
+        return tuple(self.kv.pool.cached_hashes())
 
     # ------------------------------------------------------------------ state
     def stats(self) -> CoreStats:

@@ -162,6 +162,10 @@ class BlockPool:
             self._evict(block)
         return True
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash findable now, in no particular order. Does not touch the events."""
+        return list(self._cached)
+
     def take_events(self) -> BlockEvents:
         """Block events since the last call (for the cluster's prefix index)."""
         events = BlockEvents(tuple(self._stored), tuple(self._evicted))
