@@ -106,6 +106,8 @@ class LocalCluster:
                "--port", str(self.args.port), "--grpc-port", str(self.args.grpc_port),
                "--redis-url", redis_url, "--cluster", self.args.cluster, "--ready-file", str(ready),
                "--policy", self.args.policy,
+               "--max-queued-requests", str(self.args.max_queued_requests),
+               "--max-queue-wait", str(self.args.max_queue_wait),
                "--log-level", self.args.log_level]
         for name in ("model", "tokenizer", "served_model_name", "max_model_len"):
             value = getattr(self.args, name, None)

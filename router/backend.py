@@ -36,6 +36,33 @@ class BackendRequest:
 
 
 @dataclass(frozen=True)
+class RouteInfo:
+    """Where a backend placed one request and what that cost, for the per-request metadata
+    (the `x-pdserve-route` header): the routing decision's inputs and the admission wait."""
+
+    decode_id: str
+    prefill_id: str | None
+    """None: the decode worker prefilled the prompt itself."""
+    reason: str
+    """The policy's one-line reason."""
+    inputs: tuple[tuple[str, float], ...]
+    """The numbers the policy decided on."""
+    queue_s: float
+    """Seconds the request waited in the router's admission queue."""
+    fallback: str | None = None
+    """Why the request left its planned path (e.g. "prefill_failed"), or None."""
+
+    def header_value(self) -> str:
+        """One header line: `decode=..; prefill=..; queue_ms=..; <input>=<value>; ...`."""
+        parts = [f"decode={self.decode_id}", f"prefill={self.prefill_id or '-'}",
+                 f"queue_ms={self.queue_s * 1000:.1f}"]
+        if self.fallback:
+            parts.append(f"fallback={self.fallback}")
+        parts += [f"{name}={value:g}" for name, value in self.inputs]
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """Tokens generated since the previous delta of the same backend request."""
 
@@ -51,6 +78,8 @@ class TokenDelta:
     """Prompt tokens served from a prefix cache (reported on the first delta)."""
     path: str | None = None
     """How the request was served, e.g. "disaggregated" or "decode-only"; echoed to clients."""
+    route: RouteInfo | None = None
+    """On the first delta of a routed request: where it went and why."""
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):

@@ -1,30 +1,38 @@
 """The P/D cluster as a GenerationBackend: decode reserves, prefill pushes, decode streams.
 
 For one backend request:
-  1. choose (prefill, decode) from the cluster snapshot (a pure policy);
-  2. Decode RPC on the decode worker -> first event is the ticket, or RESOURCE_EXHAUSTED
-     (then the next decode worker is tried; none left -> Overloaded, 503);
+  1. refuse at once what can never fit: prompt + max_tokens above every decode worker's whole
+     KV cache (400 with the numbers);
+  2. admission (router/admission.py): choose (prefill, decode) from the cluster snapshot (a
+     pure policy) and call Decode on the decode worker -> its first event is the ticket, or
+     RESOURCE_EXHAUSTED (then the next decode worker is tried); nobody has room -> wait in the
+     router's FIFO queue, or 503 + Retry-After when the queue's bounds are hit;
   3. Prefill RPC with the ticket on the prefill worker -> first token; a prefill worker
-     that fails is replaced by the next one with the same ticket;
+     that fails is replaced by the next one with the same ticket; when none is left, the
+     reservation is dropped and the decode worker prefills the prompt itself (a counted
+     fallback, path "colocated");
   4. the first token goes to the client, then the decode stream's tokens.
-Leaving early (client gone, stop string, error) aborts the request on both workers.
+Leaving early (client gone, stop string, error) aborts the request on both workers. Every end
+tells the admission queue how many blocks were freed.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 import grpc
 
 from proto.convert import params_to_proto
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.backend import BackendRequest, TokenDelta
+from router.admission import AdmissionQueue, AdmissionSettings
+from router.backend import BackendRequest, RouteInfo, TokenDelta
 from router.cluster_state import ClusterSnapshot
 from router.errors import InvalidRequest, Overloaded, WorkerFailure
-from router.policy import RouteDecision, RouteRequest
+from router.policy import RouteDecision, RouteRequest, prompt_blocks
 from router.types import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -32,10 +40,17 @@ logger = logging.getLogger(__name__)
 PATH_DISAGGREGATED = "disaggregated"
 PATH_COLOCATED = "colocated"
 
+RouteRequestBuilder = Callable[[tuple[int, ...], "int | None", ClusterSnapshot], RouteRequest]
+"""Builds a policy's view of a request (the prefix index fills in cached blocks)."""
+
+
+def plain_route_request(prompt: tuple[int, ...], max_tokens: int | None, snapshot: ClusterSnapshot) -> RouteRequest:
+    return RouteRequest(len(prompt), max_tokens)
+
 
 @dataclass
 class TransferTotals:
-    """KV transfers as reported by prefill workers (for the router's /metrics)."""
+    """KV transfers and failovers as seen by this router (for /metrics)."""
 
     count: int = 0
     nbytes: int = 0
@@ -47,28 +62,67 @@ class TransferTotals:
 @dataclass
 class _Placement:
     decode_address: str
+    block_size: int
     prefill_address: str | None = None
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    snapshot: ClusterSnapshot
+    decision: RouteDecision
+    decode_id: str
+    stream: object  # grpc.aio stream of DecodeEvent
+    ticket: worker_pb2.Ticket
 
 
 def _logprobs(msg) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
+def check_fits_capacity(num_prompt_tokens: int, max_tokens: int | None, snapshot: ClusterSnapshot) -> None:
+    """Raises InvalidRequest, with the numbers, when prompt + max_tokens exceeds the whole KV
+    cache of every decode worker (it could never run, however long it waited)."""
+    decoders = snapshot.decode_workers()
+    if not decoders or max_tokens is None:
+        return
+    largest = max(decoders, key=lambda w: w.total_blocks * w.block_size)
+    holds = largest.total_blocks * largest.block_size
+    need = num_prompt_tokens + max_tokens
+    if need > holds:
+        raise InvalidRequest(
+            f"This request needs {need:,} tokens of KV cache ({num_prompt_tokens:,} prompt + "
+            f"{max_tokens:,} max_tokens), but the largest decode worker holds {holds:,} tokens "
+            f"({largest.total_blocks:,} blocks x {largest.block_size}). Reduce the prompt or "
+            "max_tokens.",
+            param="max_tokens",
+        )
+
+
 class ClusterBackend:
     def __init__(
         self,
-        snapshot: Callable[[], "object"],
+        snapshot: Callable[[], Awaitable[ClusterSnapshot]],
         choose: Callable[[RouteRequest, ClusterSnapshot, random.Random], RouteDecision | None],
         ticket_timeout_s: float = 60.0,
         rng: random.Random | None = None,
+        admission: AdmissionQueue | None = None,
+        route_request: RouteRequestBuilder = plain_route_request,
     ) -> None:
-        self._snapshot = snapshot  # async () -> ClusterSnapshot
+        self._snapshot = snapshot
         self._choose = choose
+        self._route_request = route_request
         self._ticket_timeout_ms = int(ticket_timeout_s * 1000)
         self._rng = rng or random.Random()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._placements: dict[str, _Placement] = {}
+        self.admission = admission or AdmissionQueue(AdmissionSettings())
         self.transfers = TransferTotals()
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        """Routing decisions by (prefill worker or "-", decode worker)."""
+        self.fallbacks: Counter[str] = Counter()
+        """Requests that left their planned path, by reason."""
+        self.rejections: Counter[str] = Counter()
+        """Requests refused before admission, by reason (the queue counts its own)."""
         self.last_decision: RouteDecision | None = None
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -83,29 +137,35 @@ class ClusterBackend:
         self._channels.clear()
 
     async def generate(self, request: BackendRequest) -> AsyncIterator[TokenDelta]:
+        prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
         snapshot = await self._snapshot()
-        route = RouteRequest(len(request.prompt_token_ids), request.params.max_tokens)
-        decision = self._choose(route, snapshot, self._rng)
-        if decision is None:
-            raise Overloaded("no decode worker is registered", retry_after_s=1.0)
-        self.last_decision = decision
-        logger.debug("route %s: %s %s", request.request_id, decision.reason, decision.inputs)
-        finished = False
-        local = decision.prefill_id is None  # no prefill worker: the decode worker does it all
-        path = PATH_COLOCATED if local else PATH_DISAGGREGATED
         try:
-            stream, ticket = await self._admit(request, snapshot, decision, local)
-            if not local:
-                yield await self._prefill(request, snapshot, decision, ticket)
+            check_fits_capacity(len(prompt), max_tokens, snapshot)
+        except InvalidRequest:
+            self.rejections["exceeds_kv_capacity"] += 1
+            raise
+        block_size = min((w.block_size for w in snapshot.decode_workers()), default=16)
+        admitted, queue_s = await self.admission.admit(
+            lambda: self._try_admit(request), prompt_blocks(len(prompt), block_size))
+        generated = 0
+        finished = False
+        try:
+            route = self._route_info(admitted, queue_s, None)
+            path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
+            if path == PATH_DISAGGREGATED:
+                first = await self._prefill_or_fall_back(request, admitted)
+                if first is None:  # every prefill worker failed: this decode worker prefills
+                    admitted = await self._admit_local(request, admitted)
+                    path, route = PATH_COLOCATED, self._route_info(admitted, queue_s, "prefill_failed")
+                else:
+                    generated += len(first.token_ids)
+                    yield _with(first, route=route)
+                    route = None
+            stream = admitted.stream
             while (event := await stream.read()) is not grpc.aio.EOF:  # read() only: no mixing
-                chunk = event.tokens
-                delta = TokenDelta(
-                    token_ids=tuple(chunk.token_ids),
-                    logprobs=tuple(_logprobs(lp) for lp in chunk.logprobs),
-                    finish_reason=chunk.finish_reason or None,
-                    stop_token_id=chunk.stop_token_id if chunk.stop_token_id >= 0 else None,
-                    path=path,
-                )
+                delta = _delta(event, path, route)
+                route = None
+                generated += len(delta.token_ids)
                 finished = delta.finish_reason is not None
                 yield delta
                 if finished:
@@ -114,13 +174,37 @@ class ClusterBackend:
         except grpc.aio.AioRpcError as exc:
             raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
         finally:
+            placement = self._placements.get(request.request_id)
             if not finished:
                 await self.abort(request.request_id)
             self._placements.pop(request.request_id, None)
+            if placement is not None:
+                self.admission.blocks_freed(prompt_blocks(len(prompt) + generated, placement.block_size))
+
+    def _route_info(self, admitted: _Admitted, queue_s: float, fallback: str | None) -> RouteInfo:
+        d = admitted.decision
+        prefill = None if fallback else d.prefill_id
+        return RouteInfo(admitted.decode_id, prefill, d.reason, d.inputs, queue_s, fallback)
+
+    async def _try_admit(self, request: BackendRequest) -> _Admitted | None:
+        """One admission attempt on a fresh snapshot; None when no decode worker has room."""
+        snapshot = await self._snapshot()
+        route = self._route_request(request.prompt_token_ids, request.params.max_tokens, snapshot)
+        decision = self._choose(route, snapshot, self._rng)
+        if decision is None:
+            self.rejections["no_decode_worker"] += 1
+            raise Overloaded("no decode worker is registered", retry_after_s=5.0)
+        self.last_decision = decision
+        logger.debug("route %s: %s %s", request.request_id, decision.reason, decision.inputs)
+        local = decision.prefill_id is None  # the decode worker does it all
+        admitted = await self._admit(request, snapshot, decision, local)
+        if admitted is not None:
+            self.decisions[(decision.prefill_id or "-", admitted.decode_id)] += 1
+        return admitted
 
     async def _admit(self, request: BackendRequest, snapshot: ClusterSnapshot, decision: RouteDecision,
-                     local: bool):
-        """Decode call on the chosen decode worker, then the others; returns (stream, ticket)."""
+                     local: bool) -> _Admitted | None:
+        """Decode call on the chosen decode worker, then the others; None when all refuse."""
         candidates = [decision.decode_id] + [
             w.worker_id for w in snapshot.decode_workers() if w.worker_id != decision.decode_id]
         for worker_id in candidates:
@@ -132,7 +216,6 @@ class ClusterBackend:
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
                 local_prefill=local))
-            self._placements[request.request_id] = _Placement(info.address)
             try:
                 first = await stream.read()
             except grpc.aio.AioRpcError as exc:
@@ -145,17 +228,31 @@ class ClusterBackend:
                     continue
                 raise WorkerFailure(f"decode worker {worker_id}: {exc.code().name}: {exc.details()}") from exc
             if first is grpc.aio.EOF or not first.HasField("ticket"):
+                stream.cancel()
                 raise WorkerFailure(f"decode worker {worker_id} answered without a ticket")
-            return stream, first.ticket
-        self._placements.pop(request.request_id, None)
-        raise Overloaded("every decode worker is full; retry shortly", retry_after_s=1.0)
+            self._placements[request.request_id] = _Placement(info.address, info.block_size)
+            return _Admitted(snapshot, decision, worker_id, stream, first.ticket)
+        return None
 
-    async def _prefill(self, request, snapshot: ClusterSnapshot, decision: RouteDecision, ticket) -> TokenDelta:
-        ordered = [w.worker_id for w in snapshot.prefill_workers()]
+    async def _admit_local(self, request: BackendRequest, admitted: _Admitted) -> _Admitted:
+        """Drop the ticketed reservation and have the same decode worker prefill itself."""
+        admitted.stream.cancel()  # type: ignore[attr-defined]
+        await self.abort(request.request_id)
+        self.fallbacks["prefill_failed"] += 1
+        decision = RouteDecision(None, admitted.decode_id, admitted.decision.reason + " (prefill fallback)",
+                                 admitted.decision.inputs)
+        local = await self._admit(request, admitted.snapshot, decision, local=True)
+        if local is None:
+            raise WorkerFailure("no prefill worker could serve the request and no decode worker took it back")
+        return local
+
+    async def _prefill_or_fall_back(self, request: BackendRequest, admitted: _Admitted) -> TokenDelta | None:
+        """The first token from a prefill worker, trying each in turn; None when all failed."""
+        snapshot, decision, ticket = admitted.snapshot, admitted.decision, admitted.ticket
+        ordered = [w.worker_id for w in snapshot.prefill_workers() if w.worker_id != admitted.decode_id]
         if decision.prefill_id in ordered:
             ordered.remove(decision.prefill_id)
             ordered.insert(0, decision.prefill_id)
-        errors = []
         for worker_id in ordered:
             info = snapshot.by_id(worker_id)
             if info is None:
@@ -169,9 +266,9 @@ class ClusterBackend:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequest(exc.details() or "invalid request") from exc
-                errors.append(f"{worker_id}: {exc.code().name}: {exc.details()}")
                 self.transfers.prefill_retries += 1
-                logger.warning("prefill on %s failed (%s); trying the next prefill worker", worker_id, exc.code().name)
+                logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
+                               request.request_id, worker_id, exc.code().name, exc.details())
                 continue
             self.transfers.count += 1
             self.transfers.nbytes += reply.transfer.bytes
@@ -182,7 +279,8 @@ class ClusterBackend:
                 num_cached_tokens=max(ticket.num_cached_tokens, reply.num_cached_tokens),
                 path=PATH_DISAGGREGATED,
             )
-        raise WorkerFailure("no prefill worker could serve the request: " + "; ".join(errors or ["none registered"]))
+        logger.warning("no prefill worker could serve %s; the decode worker prefills it", request.request_id)
+        return None
 
     async def abort(self, request_id: str) -> None:
         placement = self._placements.pop(request_id, None)
@@ -197,3 +295,19 @@ class ClusterBackend:
                     worker_pb2.AbortRequest(request_id=request_id), timeout=5)
             except grpc.aio.AioRpcError as exc:  # the worker may be gone; nothing to free there
                 logger.info("abort of %s on %s failed: %s", request_id, address, exc.code().name)
+
+
+def _delta(event, path: str, route: RouteInfo | None) -> TokenDelta:
+    chunk = event.tokens
+    return TokenDelta(
+        token_ids=tuple(chunk.token_ids),
+        logprobs=tuple(_logprobs(lp) for lp in chunk.logprobs),
+        finish_reason=chunk.finish_reason or None,
+        stop_token_id=chunk.stop_token_id if chunk.stop_token_id >= 0 else None,
+        path=path,
+        route=route,
+    )
+
+
+def _with(delta: TokenDelta, route: RouteInfo | None) -> TokenDelta:
+    return replace(delta, route=route)

@@ -1,34 +1,115 @@
-"""The router's cluster-side metrics: KV transfers its prefills reported, failovers, Redis."""
+"""The router's cluster-side metrics, read at scrape time: KV transfers its prefills reported,
+routing decisions, admission (queue, rejections by reason), path fallbacks, Redis, and the
+service-wide KV view (per role and per worker) from the last cluster snapshot."""
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from router.cluster_view import role_totals
+
+_ROLE = ["role"]
+_WORKER = ["role", "worker_id"]
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=_ROLE)
+    c.add_metric(["router"], value)
+    return c
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=_ROLE)
+    g.add_metric(["router"], value)
+    return g
+
 
 class ClusterCollector:
-    """Read at scrape time from the ClusterBackend's totals and the state reader."""
+    """Reads the ClusterBackend's counters, its admission queue and the state reader."""
 
-    def __init__(self, backend, reader) -> None:
+    def __init__(self, backend, reader, model_name: str = "") -> None:
         self.backend = backend
         self.reader = reader
+        self.model_name = model_name
 
     def collect(self):
-        t = self.backend.transfers
-        labels = ["role"]
+        b = self.backend
+        t = b.transfers
+        yield _counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode (as prefill reported).", t.nbytes)
+        yield _counter("pdserve_kv_transfer_seconds", "Seconds those KV transfers took.", t.seconds)
+        yield _counter("pdserve_kv_transfers", "KV transfers completed.", t.count)
+        yield _counter("pdserve_prefill_retries", "Prefill attempts that failed and were retried elsewhere.",
+                       t.prefill_retries)
+        yield _counter("pdserve_decode_rejections", "Decode admissions refused for lack of blocks.",
+                       t.decode_rejections)
+        yield _gauge("pdserve_redis_up", "1 while the cluster state in Redis is readable.",
+                     1.0 if self.reader.redis_ok else 0.0)
+        yield from self._routing()
+        yield from self._admission()
+        yield from self._cluster_kv()
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(["router"], value)
-            return c
+    def _routing(self):
+        decisions = CounterMetricFamily(
+            "pdserve_routing_decisions", "Requests placed, by prefill and decode worker.",
+            labels=["role", "prefill", "decode"])
+        for (prefill, decode), count in sorted(self.backend.decisions.items()):
+            decisions.add_metric(["router", prefill, decode], count)
+        yield decisions
+        fallbacks = CounterMetricFamily(
+            "pdserve_path_fallbacks", "Requests that left their planned path, by reason.",
+            labels=["role", "reason"])
+        for reason, count in sorted(self.backend.fallbacks.items()):
+            fallbacks.add_metric(["router", reason], count)
+        yield fallbacks
 
-        yield counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode (as prefill reported).", t.nbytes)
-        yield counter("pdserve_kv_transfer_seconds", "Seconds those KV transfers took.", t.seconds)
-        yield counter("pdserve_kv_transfers", "KV transfers completed.", t.count)
-        yield counter("pdserve_prefill_retries", "Prefill attempts that failed and were retried elsewhere.",
-                      t.prefill_retries)
-        yield counter("pdserve_decode_rejections", "Decode admissions refused for lack of blocks.",
-                      t.decode_rejections)
-        ok = GaugeMetricFamily("pdserve_redis_up", "1 while the cluster state in Redis is readable.",
-                               labels=labels)
-        ok.add_metric(["router"], 1.0 if self.reader.redis_ok else 0.0)
-        yield ok
+    def _admission(self):
+        queue = self.backend.admission
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting in the router's admission queue.",
+                                    labels=["model_name", "role"])
+        waiting.add_metric([self.model_name, "router"], queue.num_waiting)
+        yield waiting
+        rejections = CounterMetricFamily(
+            "pdserve_admission_rejections", "Requests refused by admission control, by reason.",
+            labels=["role", "reason"])
+        reasons = dict(self.backend.rejections)
+        for reason, count in queue.rejections.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        for reason in ("queue_full", "queue_timeout", "exceeds_kv_capacity", "no_decode_worker"):
+            rejections.add_metric(["router", reason], reasons.pop(reason, 0))
+        for reason, count in sorted(reasons.items()):
+            rejections.add_metric(["router", reason], count)
+        yield rejections
+        yield _gauge("pdserve_block_free_rate", "Decode blocks freed per second lately (estimates Retry-After).",
+                     queue.free_rate.per_second())
+
+    def _cluster_kv(self):
+        snapshot = self.reader.last_snapshot
+        if snapshot is None:
+            return
+        names = {
+            "total_blocks": ("pdserve_cluster_kv_blocks_total", "KV blocks of every worker of the role."),
+            "free_blocks": ("pdserve_cluster_kv_blocks_free", "Free KV blocks (cached count as free)."),
+            "reserved_blocks": ("pdserve_cluster_kv_blocks_reserved", "Blocks reserved for KV in flight."),
+            "cached_blocks": ("pdserve_cluster_kv_blocks_cached", "Free blocks still holding a reusable prefix."),
+            "capacity_tokens": ("pdserve_cluster_kv_capacity_tokens", "Tokens the role's KV caches hold."),
+            "workers": ("pdserve_cluster_workers", "Live workers (fresh heartbeats)."),
+            "num_running": ("pdserve_cluster_requests_running", "Requests running on the role's workers."),
+        }
+        families = {key: GaugeMetricFamily(name, doc, labels=_ROLE) for key, (name, doc) in names.items()}
+        for role, workers in (("decode", snapshot.decode_workers()), ("prefill", snapshot.prefill_workers())):
+            totals = role_totals(workers)
+            for key, family in families.items():
+                family.add_metric([role], totals[key])
+        yield from families.values()
+        per_worker = {
+            "free_blocks": GaugeMetricFamily("pdserve_worker_kv_blocks_free", "Free KV blocks per worker.",
+                                             labels=_WORKER),
+            "total_blocks": GaugeMetricFamily("pdserve_worker_kv_blocks_total", "KV blocks per worker.",
+                                              labels=_WORKER),
+            "num_running": GaugeMetricFamily("pdserve_worker_requests_running", "Running requests per worker.",
+                                             labels=_WORKER),
+        }
+        for w in snapshot.workers:
+            for key, family in per_worker.items():
+                family.add_metric([w.role, w.worker_id], getattr(w, key))
+        yield from per_worker.values()

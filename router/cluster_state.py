@@ -128,6 +128,11 @@ class ClusterStateReader:
         """Reads failed in a row; 0 once one succeeds."""
         return self._consecutive_failures
 
+    @property
+    def last_snapshot(self) -> ClusterSnapshot | None:
+        """The snapshot most recently read (or served stale), without reading Redis."""
+        return self._last
+
     async def snapshot(self) -> ClusterSnapshot:
         """The current snapshot, read from Redis if the cached one is older than max_age_s.
 

@@ -14,11 +14,13 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.errors import InvalidRequest, RouterError
-from router.grpc_errors import grpc_status
+from router.grpc_errors import grpc_status, grpc_trailing_metadata
 from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeCompletionRequest
 from router.results import ChoiceUpdate, StreamFailure, UsageReport
 
 SERVICE_NAME = "pdserve.v1.Generation"
+ROUTE_METADATA = "x-pdserve-route"
+"""Where the request went and why (RouteInfo.header_value), as in the HTTP header."""
 
 
 def _sampling_fields(msg: generation_pb2.GenerateRequest) -> dict:
@@ -58,6 +60,14 @@ def _set_stop_reason(msg, stop_reason) -> None:
         msg.stop_token_id = stop_reason
 
 
+async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
+    """End the RPC with the error's status, message and trailing metadata (retry-after)."""
+    metadata = grpc_trailing_metadata(error)
+    if metadata:
+        context.set_trailing_metadata(metadata)
+    await context.abort(grpc_status(error), str(error))
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, service) -> None:
         self.service = service
@@ -89,9 +99,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             result = await self._start(request, request_id, stream=False)
         except RouterError as exc:
-            await context.abort(grpc_status(exc), str(exc))
+            await _abort(context, exc)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if result.head.route:
+            context.set_trailing_metadata(((ROUTE_METADATA, result.head.route),))
         reply = generation_pb2.GenerateResponse(
             request_id=request_id, path=result.head.path or "",
             usage=generation_pb2.Usage(prompt_tokens=result.usage.prompt_tokens,
@@ -109,9 +121,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             stream = await self._start(request, request_id, stream=True)
         except RouterError as exc:
-            await context.abort(grpc_status(exc), str(exc))
+            await _abort(context, exc)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if stream.head.route:
+            await context.send_initial_metadata(((ROUTE_METADATA, stream.head.route),))
         try:
             async for event in stream:
                 if isinstance(event, ChoiceUpdate):
@@ -128,7 +142,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             completion_tokens=event.usage.completion_tokens,
                             cached_tokens=event.usage.cached_tokens or 0))
                 elif isinstance(event, StreamFailure):
-                    await context.abort(grpc_status(event.error), str(event.error))
+                    await _abort(context, event.error)
         finally:
             await stream.aclose()
 
@@ -141,7 +155,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             result = self.service.tokenize(TokenizeCompletionRequest(
                 model=request.model or None, prompt=request.text, add_special_tokens=request.add_special_tokens))
         except RouterError as exc:
-            await context.abort(grpc_status(exc), str(exc))
+            await _abort(context, exc)
         return generation_pb2.TokenizeResponse(token_ids=list(result.tokens), max_model_len=result.max_model_len)
 
 

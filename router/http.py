@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import importlib.metadata
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -44,10 +44,12 @@ from router.openai_models import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from router.results import ResponseHead
 from router.service import ResponseStream, RouterService
 
 T = TypeVar("T")
 PATH_HEADER = "x-pdserve-path"
+ROUTE_HEADER = "x-pdserve-route"
 REQUEST_ID_HEADER = "x-request-id"
 # Not an HTTP standard: nginx's "client closed request", logged when a client leaves mid-way.
 CLIENT_CLOSED_REQUEST = 499
@@ -68,6 +70,8 @@ class HttpSettings:
     """When set, every route but /health requires `Authorization: Bearer <api_key>`."""
     version: str = field(default_factory=_pdserve_version)
     """Reported by /version."""
+    cluster_view: Callable[[], Awaitable[dict[str, object]]] | None = None
+    """Builds the JSON of /v1/cluster (the service-wide KV view); None: the route answers 404."""
 
 
 class ClientDisconnected(Exception):
@@ -107,6 +111,13 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
     async def models() -> JSONResponse:
         return JSONResponse(models_body(service.model_card()))
 
+    @api.get("/v1/cluster")
+    async def cluster() -> JSONResponse:
+        if settings.cluster_view is None:
+            return JSONResponse({"error": {"message": "this router has no cluster view", "type": "NotFoundError",
+                                           "param": None, "code": 404}}, status_code=404)
+        return JSONResponse(await settings.cluster_view())
+
     @api.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
@@ -126,7 +137,7 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
             stream = await _unless_disconnected(request, service.stream_complete(body, rid))
             return _event_stream(stream, CompletionChunks(stream, ids))
         result = await _unless_disconnected(request, service.complete(body, rid))
-        return _json(completion_body(result, ids), result.head.path)
+        return _json(completion_body(result, ids), result.head)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -135,7 +146,7 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
             stream = await _unless_disconnected(request, service.stream_chat(body, rid))
             return _event_stream(stream, ChatChunks(stream, ids))
         result = await _unless_disconnected(request, service.chat(body, rid))
-        return _json(chat_body(result, ids), result.head.path)
+        return _json(chat_body(result, ids), result.head)
 
     return api
 
@@ -145,17 +156,20 @@ def request_id(request: Request) -> str:
     return request.scope["state"]["request_id"]
 
 
-def _path_headers(path: str | None) -> dict[str, str]:
-    return {} if path is None else {PATH_HEADER: path}
+def _path_headers(head: ResponseHead) -> dict[str, str]:
+    headers = {} if head.path is None else {PATH_HEADER: head.path}
+    if head.route is not None:
+        headers[ROUTE_HEADER] = head.route
+    return headers
 
 
-def _json(body: object, path: str | None) -> JSONResponse:
-    return JSONResponse(body, headers=_path_headers(path))
+def _json(body: object, head: ResponseHead) -> JSONResponse:
+    return JSONResponse(body, headers=_path_headers(head))
 
 
 def _event_stream(stream: ResponseStream, chunks: ChunkEncoder) -> EventStreamResponse:
     return EventStreamResponse(
-        sse_lines(stream, chunks), stream.aclose, headers=_path_headers(stream.head.path)
+        sse_lines(stream, chunks), stream.aclose, headers=_path_headers(stream.head)
     )
 
 

@@ -71,6 +71,10 @@ class RouterMetrics:
             "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
             E2E_BUCKETS,
         )  # fmt: skip
+        self._queue_time = self._histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent waiting in the router's admission queue in seconds.", E2E_BUCKETS,
+        )  # fmt: skip
         token_buckets = one_two_five_buckets(max_model_len)
         self._request_prompt = self._histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
@@ -85,6 +89,9 @@ class RouterMetrics:
 
     def observe_first_token(self, seconds: float) -> None:
         self._ttft.labels(**self._labels).observe(seconds)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._queue_time.labels(**self._labels).observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
         self._itl.labels(**self._labels).observe(seconds)

@@ -49,6 +49,8 @@ class ResponseHead:
     model: str
     path: str | None
     """How the backend served it (first one reported), for the x-pdserve-path header."""
+    route: str | None = None
+    """The first backend request's placement (RouteInfo.header_value), for x-pdserve-route."""
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class GenerationRun:
         self._last_token_at: list[float | None] = [None] * len(requests)
         self._ended_at: list[float | None] = [None] * len(requests)
         self._path: str | None = None
+        self._route: str | None = None
         self._closed = False
 
     def _tracker(self, i: int, request: BackendRequest, tokenizer: Tokenizer) -> ChoiceTracker:
@@ -93,7 +94,7 @@ class GenerationRun:
 
     def head(self) -> ResponseHead:
         plan = self._plan
-        return ResponseHead(plan.response_id, plan.created, plan.model, self._path)
+        return ResponseHead(plan.response_id, plan.created, plan.model, self._path, self._route)
 
     async def next_update(self) -> ChoiceUpdate | None:
         """The next choice update, or None when every choice has finished.
@@ -105,6 +106,9 @@ class GenerationRun:
             return None
         i, delta = item
         self._path = self._path or delta.path
+        if self._route is None and delta.route is not None:
+            self._route = delta.route.header_value()
+            self._metrics.observe_queue_time(delta.route.queue_s)
         tracker = self._trackers[i]
         update = tracker.apply(delta)
         self._observe_tokens(i, len(delta.token_ids))

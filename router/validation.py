@@ -38,22 +38,21 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Raises InvalidRequest, with vLLM's message, when prompt + completion cannot fit."""
+    """Raises InvalidRequest, with vLLM's (v0.11) message, when prompt + completion cannot fit."""
     if max_tokens is None:
         if prompt_len >= max_model_len:
             raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {prompt_len} tokens in the messages, Please reduce the length of "
-                "the messages.",
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"request has {prompt_len} input tokens. Please reduce the length of the input "
+                "messages.",
                 param="messages",
             )
         return
     if prompt_len + max_tokens > max_model_len:
         raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {max_model_len} tokens and your request has {prompt_len} "
+            f"input tokens ({max_tokens} > {max_model_len} - {prompt_len}).",
             param="max_tokens",
         )
 

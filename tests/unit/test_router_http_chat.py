@@ -134,9 +134,9 @@ def test_too_long_chat_gets_400_with_vllms_context_length_message():
     assert response.status_code == 400
     assert response.json() == {
         "error": {
-            "message": "This model's maximum context length is 40 tokens. However, you requested "
-            "41 tokens (31 in the messages, 10 in the completion). Please reduce the length of "
-            "the messages or completion.",
+            "message": "'max_tokens' or 'max_completion_tokens' is too large: 10. This model's "
+            "maximum context length is 40 tokens and your request has 31 input tokens "
+            "(10 > 40 - 31).",
             "type": "BadRequestError",
             "param": "max_tokens",
             "code": 400,

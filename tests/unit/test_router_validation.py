@@ -46,17 +46,16 @@ def invalid(fn, *args) -> InvalidRequest:
 def test_context_length_error_has_vllms_exact_message():
     error = invalid(check_context_length, 10, 2040, 2048)
     assert error.message == (
-        "This model's maximum context length is 2048 tokens. However, you requested 2050 "
-        "tokens (10 in the messages, 2040 in the completion). Please reduce the length of the "
-        "messages or completion."
+        "'max_tokens' or 'max_completion_tokens' is too large: 2040. This model's maximum "
+        "context length is 2048 tokens and your request has 10 input tokens (2040 > 2048 - 10)."
     )
     assert error.param == "max_tokens"
 
 
 def test_prompt_filling_the_context_without_max_tokens_is_refused_with_vllms_message():
     assert invalid(check_context_length, 2048, None, 2048).message == (
-        "This model's maximum context length is 2048 tokens. However, you requested 2048 "
-        "tokens in the messages, Please reduce the length of the messages."
+        "This model's maximum context length is 2048 tokens. However, your request has 2048 "
+        "input tokens. Please reduce the length of the input messages."
     )
 
 
