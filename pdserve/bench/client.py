@@ -1,0 +1,138 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk.
+
+Requests are portable across vLLM, pdserve and llama.cpp's llama-server: `max_tokens`,
+`stream: true`, `stream_options.include_usage`, `ignore_eos` when asked, `temperature`.
+Output tokens come from the final usage when the server sends it, else from the token chunks;
+TTFT and ITL come from the arrival times of token chunks (see pdserve.bench.sse).
+A request never raises: HTTP errors, in-band errors and broken streams become a failed
+`RequestOutput` carrying the message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.sse import SSEDecoder, parse_chunk
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how every request of a run is sent."""
+
+    api_url: str
+    """Full URL, e.g. http://127.0.0.1:8000/v1/completions."""
+    model: str
+    """The `model` field of each request."""
+    chat: bool = False
+    """/v1/chat/completions (the prompt becomes one user message) instead of /v1/completions."""
+    ignore_eos: bool = False
+    temperature: float | None = 0.0
+    """None leaves it to the server."""
+    extra_body: Mapping[str, object] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def payload(self, request: SampleRequest) -> dict:
+        body: dict = {"model": self.model, "max_tokens": request.expected_output_len, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+        else:
+            body["prompt"] = request.prompt
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return {**body, **self.extra_body}
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """How one request went. Times are seconds; start_time is time.perf_counter()."""
+
+    success: bool
+    error: str = ""
+    prompt_len: int = 0
+    """The server's usage.prompt_tokens when it sent one, else the dataset's count."""
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: tuple[float, ...] = ()
+    """Gaps between consecutive token chunks."""
+    latency: float = 0.0
+    """Send to last token."""
+    start_time: float = 0.0
+    generated_text: str = ""
+
+
+class _Stream:
+    """Accumulates one response's chunks (mutable; lives inside send_request only)."""
+
+    def __init__(self, start: float, prompt_len: int) -> None:
+        self.start, self.last = start, start
+        self.prompt_len = prompt_len
+        self.ttft: float | None = None
+        self.itl: list[float] = []
+        self.text: list[str] = []
+        self.tokens = 0
+        self.usage_tokens: int | None = None
+        self.finished = False
+        self.error: str | None = None
+
+    def add(self, payload: str, now: float) -> None:
+        chunk = parse_chunk(payload)
+        if chunk.error is not None:
+            self.error = chunk.error
+            return
+        self.finished = self.finished or chunk.done or chunk.finish_reason is not None
+        if chunk.prompt_tokens is not None:
+            self.prompt_len = chunk.prompt_tokens
+        if chunk.completion_tokens is not None:
+            self.usage_tokens = chunk.completion_tokens
+        if chunk.token:
+            if self.ttft is None:
+                self.ttft = now - self.start
+            else:
+                self.itl.append(now - self.last)
+            self.last = now
+            self.tokens += 1
+            self.text.append(chunk.text)
+
+    def output(self) -> RequestOutput:
+        error = self.error
+        if error is None and self.ttft is None:
+            error = "the stream ended without a token"
+        if error is None and not self.finished:
+            error = "the stream ended before the response finished"
+        return RequestOutput(
+            success=error is None, error=error or "", prompt_len=self.prompt_len,
+            output_tokens=self.usage_tokens if self.usage_tokens is not None else self.tokens,
+            ttft=self.ttft or 0.0, itl=tuple(self.itl), latency=self.last - self.start,
+            start_time=self.start, generated_text="".join(self.text),
+        )
+
+
+async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: SampleRequest) -> RequestOutput:
+    """POST one streamed request and time it. Never raises (but lets cancellation through)."""
+    start = time.perf_counter()
+    stream = _Stream(start, request.prompt_len)
+    try:
+        async with client.stream("POST", endpoint.api_url, json=endpoint.payload(request),
+                                 headers=dict(endpoint.headers)) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                return RequestOutput(False, f"HTTP {response.status_code}: {body[:300]}",
+                                     request.prompt_len, start_time=start)
+            decoder = SSEDecoder()
+            async for data in response.aiter_bytes():
+                now = time.perf_counter()
+                for payload in decoder.feed(data):
+                    stream.add(payload, now)
+            for payload in decoder.close():
+                stream.add(payload, time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 — one broken request must not end the run
+        return RequestOutput(False, f"{type(exc).__name__}: {exc}", request.prompt_len, start_time=start)
+    return stream.output()
