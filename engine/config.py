@@ -54,6 +54,11 @@ class EngineConfig:
     """Element type of the KV cache; auto follows `dtype`. fp8 is e4m3 with scale 1."""
     enable_prefix_caching: bool = True
     """Reuse full KV blocks across requests by the chained hash of their tokens."""
+    swap_space: float = 0
+    """GiB of host memory per worker for swapped-out KV blocks (vLLM's --swap-space).
+    When blocks run out, a preempted request's blocks are copied there and copied back
+    later instead of being recomputed; when the pool is full, preemption recomputes.
+    0: always recompute."""
     max_num_seqs: int = 256
     """Most requests in the running batch."""
     max_num_batched_tokens: int = 2048
@@ -84,6 +89,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 <= self.swap_space < float("inf"):  # also rejects NaN
+            raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

@@ -23,18 +23,19 @@ from pathlib import Path
 
 import torch
 
-from engine.capacity import KVCapacity, plan_capacity, weights_bytes
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
+from engine.config import EngineConfig
 from engine.device import (
     available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
 )
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.swap_pool import SwapPool, swap_blocks_for
 from engine.loader.model_loader import load_model
 from engine.loader.weights_cache import default_cache_dir
 from engine.request import Request
-from engine.runner import ModelRunner, allocate_kv_caches
+from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
 from engine.scheduler import EngineCoreOutput, Reservation, Scheduler
 from engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -56,6 +57,15 @@ class CoreStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_swapped: int = 0
+    """Requests swapped out now (their KV in host memory)."""
+    num_swapped_out: int = 0
+    """Preemptions that swapped the request out (the others recomputed), since start."""
+    num_swapped_in: int = 0
+    """Swapped-out requests resumed by copying their KV back, since start."""
+    swap_blocks_total: int = 0
+    """Blocks of the host swap pool (from --swap-space)."""
+    swap_blocks_used: int = 0
 
 
 class EngineCore:
@@ -91,37 +101,32 @@ class EngineCore:
         kv_caches = allocate_kv_caches(
             self.spec, self.capacity.num_blocks, config.block_size, kv_torch_dtype, self.device
         )
+        num_swap_blocks = swap_blocks_for(config.swap_space, self.capacity.bytes_per_block)
+        if num_swap_blocks:
+            logger.info("swap space: %d blocks (%g GiB of host memory)", num_swap_blocks, config.swap_space)
+        swap_caches = allocate_swap_caches(
+            self.spec, num_swap_blocks, config.block_size, kv_torch_dtype, self.device
+        )
         self.runner = ModelRunner(
-            loaded.module, self.spec, kv_caches, config.block_size, self.max_model_len, self.device
+            loaded.module, self.spec, kv_caches, config.block_size, self.max_model_len, self.device,
+            swap_caches,
         )
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            hold_finished_blocks=hold_finished_blocks,
+            hold_finished_blocks=hold_finished_blocks, swap=SwapPool(num_swap_blocks),
         )
 
     def _max_model_len(self) -> int:
-        limit = self.spec.max_position_embeddings
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(
-                f"max_model_len={wanted} is longer than the model's context length ({limit})"
-            )
-        return wanted
+        return resolve_max_model_len(self.spec, self.config.max_model_len)
 
     def _kv_budget_bytes(self) -> int | None:
-        cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            return None
-        if cfg.kv_cache_memory is not None:
-            return cfg.kv_cache_memory
-        if self.device.type == "cpu" and cfg.gpu_memory_utilization is None:
-            return DEFAULT_CPU_KV_CACHE_MEMORY
-        share = cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        # The weights are already resident, so budget = share of what was there before them.
+        """engine.capacity.kv_budget, the rule `pdserve plan` uses too."""
         weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."))
-        total = available_memory_bytes(self.device) + weights
-        return max(int(total * share) - weights, 0)
+        # The weights are already resident: the memory before them = available now + weights.
+        return kv_budget(
+            self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights
+        ).num_bytes
 
     # ------------------------------------------------------------------ loop
     def add_request(self, request: Request) -> None:
@@ -132,7 +137,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_ids:
+        if plan.is_empty and not plan.finished_ids and not plan.has_copies:
             return []
         result = self.runner.execute(plan)
         return self.scheduler.update(plan, result)
@@ -186,4 +191,9 @@ class EngineCore:
             num_preemptions=s.stats.num_preemptions,
             prefix_cache_queries=s.stats.prefix_cache_queries,
             prefix_cache_hits=s.stats.prefix_cache_hits,
+            num_swapped=len(s.swapped),
+            num_swapped_out=s.stats.num_swapped_out,
+            num_swapped_in=s.stats.num_swapped_in,
+            swap_blocks_total=s.swap.num_blocks,
+            swap_blocks_used=s.swap.num_used_blocks,
         )

@@ -1,8 +1,10 @@
 """A request as the engine core sees it, and its lifecycle.
 
     WAITING --schedule--> RUNNING --update--> FINISHED_{STOPPED,LENGTH}
-       ^                     |
-       +----- PREEMPTED <----+   (blocks ran out: blocks freed, recomputed later)
+       ^                   |  ^
+       +---- PREEMPTED <---+  |  (blocks ran out: blocks freed, recomputed later)
+             SWAPPED <-----+  |  (blocks ran out, room in the swap pool: KV copied to
+                +--schedule---+   host blocks, device blocks freed; later copied back)
     any non-terminal state --abort--> FINISHED_ABORTED
 
     Decode worker: reserve --> WAITING_FOR_REMOTE_KV --commit--> RUNNING
@@ -25,6 +27,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

@@ -1,7 +1,8 @@
 """Model runner: turns a scheduler plan into one forward pass and one sampling call.
 
-Owns the device state: weights, the per-layer KV cache tensors, RoPE tables and the
-per-request random generators. Nothing it returns refers to any of them.
+Owns the device state: weights, the per-layer KV cache tensors, the host swap tensors,
+RoPE tables and the per-request random generators. Nothing it returns refers to any of them.
+A plan's block copies (swap out, then swap in) run before its forward pass.
 """
 
 from __future__ import annotations
@@ -26,6 +27,42 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
 
 
+def allocate_swap_caches(
+    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Host tensors in the device cache's layout, one per layer; none when num_blocks is 0.
+    Uninitialised (a block is written before it is read); pinned when `device` is a GPU,
+    so copies to and from it go by DMA."""
+    if num_blocks == 0:
+        return []
+    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    pin = device.type == "cuda"
+    return [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(spec.num_layers)]
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 caches are copied through uint8 views: CPU index kernels do not take float8."""
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def copy_blocks(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
+) -> None:
+    """For each layer, copy block `a` of `src` into block `b` of `dst` for every (a, b)
+    pair; the two sides may live on different devices. Mutates `dst` only at the b's."""
+    if not pairs:
+        return
+    assert len(src) == len(dst), f"{len(src)} source layers, {len(dst)} destination layers"
+    src_index = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=src[0].device)
+    dst_index = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dst[0].device)
+    for s, d in zip(src, dst, strict=True):
+        blocks = _raw(s).index_select(1, src_index).to(d.device)  # [2, len(pairs), block, heads, dim]
+        _raw(d).index_copy_(1, dst_index, blocks)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -35,10 +72,13 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        swap_caches: list[torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
         self.kv_caches = kv_caches
+        self.swap_caches = swap_caches or []
+        """Host per-layer [2, num_swap_blocks, block_size, num_kv_heads, head_dim]."""
         self.block_size = block_size
         self.device = device
         self.cos, self.sin = rope_tables(
@@ -51,6 +91,10 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
+        # Out before in, both before the forward pass: the plan may already have handed the
+        # swapped-out device blocks to other requests whose K/V this step writes.
+        copy_blocks(self.kv_caches, self.swap_caches, plan.swap_out)
+        copy_blocks(self.swap_caches, self.kv_caches, plan.swap_in)
         if plan.is_empty:
             return RunnerOutput({})
         # Single-token queries (decodes) first, so they form one batched attention call.

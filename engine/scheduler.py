@@ -4,7 +4,11 @@ One step: `plan = schedule()` -> runner executes it -> `update(plan, result)`.
 Running requests go first (decodes and unfinished prompt chunks), then waiting ones in
 arrival order while the token budget, `max_num_seqs` and free blocks allow. A prompt
 longer than the remaining budget is chunked. When blocks run out, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later.
+admitted running request is preempted: its blocks are freed and it is recomputed later,
+or, when the swap pool has room for them, its blocks are first copied out to host memory
+(`SchedulerOutput.swap_out`) and copied back into new blocks (`swap_in`) before any
+waiting request is admitted. The runner executes a plan's copies before its forward pass,
+so blocks freed while planning may be reused within the same plan.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.kv_cache.manager import NO_HIT, KVCacheManager
+from engine.kv_cache.manager import KVCacheManager, PrefixHit
+from engine.kv_cache.swap_pool import SwapPool
 from engine.request import Request, RequestStatus
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -47,10 +52,21 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()
     """Requests that ended since the last plan: the runner drops their state."""
+    swap_out: tuple[tuple[int, int], ...] = ()
+    """(device block, swap block) pairs to copy device -> host before the forward pass;
+    the device blocks are already free in the scheduler's books (reused after the copy)."""
+    swap_in: tuple[tuple[int, int], ...] = ()
+    """(swap block, device block) pairs to copy host -> device before the forward pass
+    (after swap_out; a plan never swaps out and in at once)."""
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be block copies to run)."""
         return not self.scheduled
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,11 @@ class Reservation:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    """Preemptions of either kind (recompute or swap)."""
+    num_swapped_out: int = 0
+    """Preemptions by swapping a request's KV out to the swap pool."""
+    num_swapped_in: int = 0
+    """Swapped-out requests resumed by copying their KV back."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache at admission."""
     prefix_cache_hits: int = 0
@@ -100,6 +121,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         hold_finished_blocks: bool = False,
+        swap: SwapPool | None = None,
     ) -> None:
         if kv.num_blocks < kv.num_blocks_for(max_model_len):
             # Otherwise a long request could wait forever or keep preempting itself.
@@ -120,6 +142,11 @@ class Scheduler:
         self.held: set[str] = set()
         self.reserved: dict[str, Request] = {}
         """Decode worker: requests whose prompt KV is being computed elsewhere."""
+        self.swap = swap if swap is not None else SwapPool(0)
+        """Host blocks for preempted requests' KV; 0 blocks: preemption always recomputes."""
+        self.swapped: deque[Request] = deque()
+        """Swapped-out requests, the next to resume first; they resume before any waiting
+        request is admitted."""
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -163,6 +190,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.reserved[request.request_id]
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -171,6 +200,7 @@ class Scheduler:
             self.held.add(request.request_id)  # the worker exports them, then releases
         else:
             self.kv.free(request.request_id)
+        self.swap.free(request.request_id)  # only a swapped-out request holds any
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
 
@@ -188,10 +218,11 @@ class Scheduler:
     # ----------------------------------------------------- remote prefill (decode)
     def reserve(self, request: Request) -> Reservation | None:
         """Reserve blocks for a prompt another worker computes; None when they are not
-        free now or the batch is full (nothing is taken then)."""
+        free now, the batch is full, or swapped-out requests wait to resume first (nothing
+        is taken then)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if len(self.running) + len(self.reserved) >= self.max_num_seqs:
+        if self.swapped or len(self.running) + len(self.reserved) >= self.max_num_seqs:
             return None
         hit = self.kv.find_prefix(request)
         blocks = self.kv.allocate(request, request.num_prompt_tokens - hit.num_tokens, hit)
@@ -229,26 +260,32 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         """Requests to step (reservations waiting for remote KV need no step)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            if not self._allocate_or_preempt(request, num_new, preempted, swap_out):
                 break  # the request itself was preempted; everything after it already was
             scheduled.append(self._describe(request, num_new))
             budget -= num_new
             index += 1
 
-        # Admit nothing in a step that had to preempt: blocks are short.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Nothing resumes or is admitted in a step that had to preempt: blocks are short.
+        # (This also keeps swap-outs and swap-ins out of the same plan.)
+        if not preempted:
+            budget = self._swap_in(budget, scheduled, swap_in)
+        while not preempted and not self.swapped and self.waiting and budget > 0 \
+                and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv.find_prefix(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
@@ -271,25 +308,74 @@ class Scheduler:
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted_ids=tuple(preempted),
             finished_ids=finished,
+            swap_out=tuple(swap_out),
+            swap_in=tuple(swap_in),
         )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+    def _swap_in(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
+        """Resume swapped-out requests, head first, while blocks, budget and max_num_seqs
+        allow. Computed blocks still resident in the prefix cache are reused as they are;
+        the others get new device blocks and are listed to copy back. Returns the budget left."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            hit = self._resident_prefix(request)
+            # The table is empty and allocate() adds the hit to num_computed_tokens, which
+            # already covers it: this grows the table to num_computed_tokens + num_new.
+            blocks = self.kv.allocate(request, num_new - hit.num_tokens, hit)
+            if blocks is None:
+                break  # FIFO: nothing overtakes the head of the swapped queue
+            self.swapped.popleft()
+            # The host blocks are free in the books now; the runner copies them back before
+            # any later plan could swap something else out into them.
+            swap_ids = self.swap.free(request.request_id)
+            first, end = len(hit.blocks), len(swap_ids)
+            swap_in.extend(zip(swap_ids[first:], blocks.block_ids[first:end], strict=True))
+            request.status = RequestStatus.RUNNING
+            self.stats.num_swapped_in += 1
+            self.running.append(request)
+            scheduled.append(self._describe(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _resident_prefix(self, request: Request) -> PrefixHit:
+        """The request's computed full blocks that are still in the prefix cache."""
+        hit = self.kv.find_prefix(request)
+        keep = min(len(hit.blocks), request.num_computed_tokens // self.kv.block_size)
+        return PrefixHit(hit.blocks[:keep], keep * self.kv.block_size)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: list[str], swap_out: list[tuple[int, int]]
+    ) -> bool:
         """Allocate for `request`, preempting from the back of `running` until it fits.
         Returns False when `request` itself had to be preempted."""
         while self.kv.allocate(request, num_new) is None:
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, swap_out)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+        """Swap the request out when the swap pool has room for its blocks, else free them
+        for recompute. Either way its device blocks are free afterwards."""
+        block_ids = self.kv.blocks_of(request.request_id).block_ids
+        assert len(block_ids) == self.kv.num_blocks_for(request.num_computed_tokens), (
+            f"{request.request_id}: {len(block_ids)} blocks for {request.num_computed_tokens} computed tokens"
+        )
+        swap_ids = self.swap.allocate(request.request_id, len(block_ids))
         self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.status = RequestStatus.PREEMPTED
         self.stats.num_preemptions += 1
+        if swap_ids is not None:
+            swap_out.extend(zip(block_ids, swap_ids, strict=True))
+            request.status = RequestStatus.SWAPPED
+            self.stats.num_swapped_out += 1
+            self.swapped.appendleft(request)
+            return
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:

@@ -119,7 +119,7 @@ class ServingLoop:
 
     def _fail_running(self) -> None:
         scheduler = self.core.scheduler
-        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting, *scheduler.swapped)]
         for request in self.core.abort(ids):
             self.deliver(EngineCoreOutput(request.request_id, (), None, "abort", None))
 

@@ -36,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--swap-space", type=float, default=0,
+                   help="GiB of host memory per worker for swapped-out KV blocks (0: preempt by recompute)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")

@@ -26,6 +26,7 @@ ENGINE_FLAGS = {
     "kv_cache_memory": "--kv-cache-memory", "num_gpu_blocks_override": "--num-gpu-blocks-override",
     "kv_cache_dtype": "--kv-cache-dtype", "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens", "seed": "--seed",
+    "swap_space": "--swap-space",
 }
 
 

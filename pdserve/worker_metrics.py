@@ -38,7 +38,14 @@ class WorkerCollector:
         yield gauge("pdserve_kv_blocks_total", "KV blocks of this worker.", s.total_blocks)
         yield gauge("pdserve_kv_blocks_free", "KV blocks free (cached blocks count as free).", s.free_blocks)
         yield gauge("pdserve_kv_blocks_reserved", "Blocks reserved for KV in flight.", s.reserved_blocks)
-        yield counter("vllm:num_preemptions", "Preemptions (recompute).", s.num_preemptions)
+        yield counter("vllm:num_preemptions", "Preemptions (recompute or swap to host memory).",
+                      s.num_preemptions)
+        yield counter("pdserve_swapped_out", "Requests whose KV was swapped out to host memory.", s.num_swapped_out)
+        yield counter("pdserve_swapped_in", "Requests whose KV was swapped back in.", s.num_swapped_in)
+        yield gauge("pdserve_requests_swapped", "Requests waiting in host memory now.", s.num_swapped)
+        yield gauge("pdserve_swap_blocks_total", "Host-memory swap blocks (--swap-space).", s.swap_blocks_total)
+        yield gauge("pdserve_swap_blocks_used", "Swap blocks holding a swapped-out request's KV.",
+                    s.swap_blocks_used)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)

@@ -44,6 +44,9 @@ def test_config_is_frozen():
         ("num_threads", 0),
         ("max_num_seqs", 0),
         ("max_num_batched_tokens", 0),
+        ("swap_space", -0.5),
+        ("swap_space", float("nan")),
+        ("swap_space", float("inf")),
     ],
 )
 def test_invalid_value_raises_value_error_naming_the_field(field, value):
@@ -77,6 +80,8 @@ def test_block_size_error_message():
         ("kv_cache_memory", 1),
         ("kv_cache_dtype", "fp8"),
         ("device", "cpu"),
+        ("swap_space", 0),
+        ("swap_space", 0.25),
     ],
 )
 def test_boundary_values_are_accepted(field, value):
@@ -90,9 +95,9 @@ def test_from_kwargs_builds_a_config():
 
 def test_from_kwargs_rejects_unknown_arguments_listing_them():
     with pytest.raises(TypeError) as info:
-        EngineConfig.from_kwargs(block_size=32, tensor_parallel_size=2, swap_space=4)
+        EngineConfig.from_kwargs(block_size=32, tensor_parallel_size=2, cpu_offload_gb=4)
     message = str(info.value)
-    assert message.startswith("unknown engine argument(s): swap_space, tensor_parallel_size; known: ")
+    assert message.startswith("unknown engine argument(s): cpu_offload_gb, tensor_parallel_size; known: ")
     assert "block_size" in message.split("known: ")[1]
 
 

@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
+from engine.kv_cache.hashing import ROOT_HASH, hash_block
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.swap_pool import SwapPool
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import (
@@ -34,12 +36,14 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int | None = None,
     enable_caching: bool = True,
+    num_swap_blocks: int = 0,
 ) -> Scheduler:
     """max_model_len defaults to 64 tokens, or what the pool holds if that is less."""
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
     if max_model_len is None:
         max_model_len = min(64, num_blocks * BLOCK_SIZE)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len,
+                     swap=SwapPool(num_swap_blocks))
 
 
 def test_scheduler_refuses_a_pool_that_cannot_hold_one_max_model_len_request():
@@ -98,6 +102,8 @@ def assert_idle(sched: Scheduler) -> None:
     assert [b.block_id for b in sched.kv.pool.blocks if b.ref_cnt] == []
     assert list(sched.waiting) == []
     assert sched.running == []
+    assert list(sched.swapped) == []
+    assert sched.swap.num_used_blocks == 0
     assert sched.requests == {}
     assert sched.has_unfinished is False
 
@@ -341,6 +347,157 @@ def test_no_request_is_admitted_in_a_step_that_preempted():
     outputs = run_until_done(sched)
     assert tokens_of(outputs["v"]) == [1011]
     assert sched.stats.num_preemptions == 1
+    assert_idle(sched)
+
+
+# ---------------------------------------------------------------------- swap
+def test_with_swap_room_the_victims_blocks_are_copied_out_and_back_instead_of_recomputed():
+    sched = make_scheduler(num_blocks=3, num_swap_blocks=4)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=3))  # fills block 0
+    sched.add_request(make_request("b", [11, 12, 13], max_tokens=2))
+    sched.add_request(make_request("c", [21, 22, 23], max_tokens=2))
+    step(sched)
+    c = sched.requests["c"]
+
+    # a's decode needs a second block: c (admitted last) is swapped out, its block 2 going
+    # to swap block 0, and block 2 is handed to a in the same plan (copied out first).
+    plan, outputs = step(sched)
+    assert plan.preempted_ids == ("c",)
+    assert plan.swap_out == ((2, 0),)
+    assert plan.swap_in == ()
+    assert summary(plan) == [("a", 4, 1), ("b", 3, 1)]
+    assert [w.block_ids for w in plan.scheduled] == [(0, 2), (1,)]
+    assert c.status is RequestStatus.SWAPPED
+    assert c.num_computed_tokens == 3  # kept: nothing is recomputed
+    assert sched.swap.blocks_of("c") == (0,)
+    assert list(sched.swapped) == [c]
+    assert sched.kv.blocks_of("c").block_ids == ()
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ("a", (1005,), None), ("b", (1004,), "length"),
+    ]
+
+    # b finished: c comes back into b's block 1 and only decodes its next token.
+    plan, outputs = step(sched)
+    assert plan.swap_in == ((0, 1),)
+    assert plan.swap_out == ()
+    assert summary(plan) == [("a", 5, 1), ("c", 3, 1)]
+    assert plan.scheduled[1].token_ids == (1003,)
+    assert plan.scheduled[1].block_ids == (1,)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ("a", (1006,), "length"), ("c", (1004,), "length"),
+    ]
+    assert (sched.stats.num_preemptions, sched.stats.num_swapped_out, sched.stats.num_swapped_in) == (1, 1, 1)
+    sched.schedule()
+    assert_idle(sched)
+
+
+def test_a_swapped_request_resumes_before_a_waiting_request_that_would_fit():
+    sched = make_scheduler(num_blocks=4, num_swap_blocks=4)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=8))
+    sched.add_request(make_request("c", range(21, 28), max_tokens=4))  # 7 tokens: 2 blocks
+    step(sched)
+    step(sched)  # a takes the last free block
+    sched.add_request(make_request("d", [31, 32, 33], max_tokens=1))
+    plan, _ = step(sched)  # c needs a third block: it swaps itself out
+    assert plan.preempted_ids == ("c",)
+    assert plan.swap_out == ((1, 0), (2, 1))
+    # c needs 3 blocks to resume and 2 are free; d needs 1 but must not overtake c.
+    for expected_blocks in [(0, 3), (0, 3), (0, 3, 2), (0, 3, 2), (0, 3, 2)]:
+        plan, _ = step(sched)
+        assert [(w.request_id, w.block_ids) for w in plan.scheduled] == [("a", expected_blocks)]
+        assert [r.request_id for r in sched.waiting] == ["d"]
+        assert sched.kv.blocks_of("d").block_ids == ()
+    # a finished: c resumes first, reusing its first full block still cached in block 1
+    # and copying swap block 1 back into block 2; then d is admitted.
+    plan, outputs = step(sched)
+    assert plan.finished_ids == ("a",)
+    assert plan.swap_in == ((1, 2),)
+    assert summary(plan) == [("c", 8, 1), ("d", 0, 3)]
+    assert [w.block_ids for w in plan.scheduled] == [(1, 2, 3), (0,)]
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("c", (1009,)), ("d", (1003,))]
+    outputs = run_until_done(sched)
+    assert tokens_of(outputs["c"]) == [1010]
+    assert_idle(sched)
+
+
+def test_a_victim_too_big_for_the_free_swap_blocks_is_recomputed():
+    sched = make_scheduler(num_blocks=4, num_swap_blocks=1)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=4))
+    sched.add_request(make_request("c", range(21, 28), max_tokens=4))  # 2 blocks when preempted
+    step(sched)
+    step(sched)
+    plan, _ = step(sched)
+    c = sched.requests["c"]
+    assert plan.preempted_ids == ("c",)
+    assert plan.swap_out == ()
+    assert (c.status, c.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert list(sched.waiting) == [c]
+    assert sched.swap.num_used_blocks == 0
+    assert (sched.stats.num_preemptions, sched.stats.num_swapped_out) == (1, 0)
+    outputs = run_until_done(sched)
+    assert tokens_of(outputs["c"]) == [1009, 1010]
+    assert_idle(sched)
+
+
+def test_abort_of_a_swapped_out_request_frees_its_swap_blocks_and_the_queue():
+    sched = make_scheduler(num_blocks=3, num_swap_blocks=4)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=3))
+    sched.add_request(make_request("b", [11, 12, 13], max_tokens=2))
+    sched.add_request(make_request("c", [21, 22, 23], max_tokens=2))
+    step(sched)
+    step(sched)
+    c = sched.requests["c"]
+    assert sched.swap.blocks_of("c") == (0,)
+    assert sched.abort(["c"]) == [c]
+    assert c.status is RequestStatus.FINISHED_ABORTED
+    assert (sched.swap.num_used_blocks, list(sched.swapped)) == (0, [])
+    outputs = run_until_done(sched)
+    assert sorted(outputs) == ["a"]
+    assert_idle(sched)
+
+
+def test_swapped_out_blocks_stay_findable_only_while_resident():
+    sched = make_scheduler(num_blocks=4, num_swap_blocks=4)
+    sched.add_request(make_request("g", [50, 51, 52, 53], max_tokens=8))
+    sched.add_request(make_request("v", range(1, 9), max_tokens=3))  # 2 full blocks
+    first, second = (tuple(range(1, 5)), tuple(range(5, 9)))
+    h1 = hash_block(ROOT_HASH, first)
+    h2 = hash_block(h1, second)
+    step(sched)
+    plan, _ = step(sched)  # v needs a third block: it swaps itself out
+    assert plan.swap_out == ((1, 0), (2, 1))
+    # Freed but not reused yet: still resident, so still findable.
+    assert [sched.kv.pool.lookup(h).block_id for h in (h1, h2)] == [1, 2]
+    for _ in range(4):
+        step(sched)  # g grows into block 2, evicting v's second block from the cache
+    assert sched.kv.blocks_of("g").block_ids == (0, 3, 2)
+    assert sched.kv.pool.lookup(h1).block_id == 1
+    assert sched.kv.pool.lookup(h2) is None
+    # The swap copy is never a prefix-cache hit: a new request with v's prompt finds block 1 only.
+    probe = make_request("probe", [*first, *second, 9], max_tokens=1)
+    assert [b.block_id for b in sched.kv.find_prefix(probe).blocks] == [1]
+    outputs = run_until_done(sched)
+    assert tokens_of(outputs["v"]) == [1009, 1010]
+    assert_idle(sched)
+
+
+def test_a_request_that_swaps_itself_out_alone_yields_a_plan_of_copies_only():
+    sched = make_scheduler(num_blocks=4, num_swap_blocks=4)
+    sched.add_request(make_request("a", [1, 2, 3, 4], max_tokens=6))
+    step(sched)
+    assert sched.reserve(make_request("r", range(40, 48), max_tokens=2)).block_ids == (1, 2)
+    for _ in range(4):
+        step(sched)  # a decodes up to 8 tokens in blocks 0 and 3
+    plan, outputs = step(sched)  # a needs a third block; the reservation holds the rest
+    assert (plan.scheduled, outputs, plan.preempted_ids) == ((), [], ("a",))
+    assert plan.is_empty and plan.has_copies
+    assert plan.swap_out == ((0, 0), (3, 1))
+    assert sched.reserve(make_request("s", [60], max_tokens=1)) is None  # a resumes first
+    assert sched.commit("r", 1008) is None
+    outputs = run_until_done(sched)
+    assert tokens_of(outputs["r"]) == [1009]
+    assert tokens_of(outputs["a"]) == [1009]  # its 6th token, decoded after the swap-in
+    assert (sched.stats.num_swapped_out, sched.stats.num_swapped_in) == (1, 1)
     assert_idle(sched)
 
 
@@ -589,13 +746,26 @@ def assert_block_accounting(sched: Scheduler) -> None:
         )
     for request in sched.waiting:
         assert sched.kv.blocks_of(request.request_id).block_ids == ()
+    swap_holders = [0] * sched.swap.num_blocks
+    for request in sched.swapped:
+        assert sched.kv.blocks_of(request.request_id).block_ids == ()
+        swap_ids = sched.swap.blocks_of(request.request_id)
+        assert len(swap_ids) == sched.kv.num_blocks_for(request.num_computed_tokens)
+        for swap_id in swap_ids:
+            swap_holders[swap_id] += 1
+    assert all(n <= 1 for n in swap_holders), "a swap block held twice"
+    assert sum(swap_holders) == sched.swap.num_used_blocks
 
 
+@pytest.mark.parametrize("num_swap_blocks", [0, 5], ids=["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_with_aborts_keeps_block_accounting_exact_and_outputs_unchanged(seed):
+def test_random_traffic_with_aborts_keeps_block_accounting_exact_and_outputs_unchanged(
+    seed, num_swap_blocks
+):
     rng = random.Random(seed)
     sched = make_scheduler(
-        num_blocks=12, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=40
+        num_blocks=12, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=40,
+        num_swap_blocks=num_swap_blocks,
     )
     shared = [rng.randrange(1, 50) for _ in range(8)]
     expected: dict[str, list[int]] = {}
@@ -629,6 +799,8 @@ def test_random_traffic_with_aborts_keeps_block_accounting_exact_and_outputs_unc
     sched.schedule()
     assert_idle(sched)
     assert sched.stats.num_preemptions >= 1 and sched.stats.prefix_cache_hits >= 1  # coverage
+    assert (sched.stats.num_swapped_out >= 1) == (num_swap_blocks > 0)
+    assert sched.stats.num_swapped_in <= sched.stats.num_swapped_out  # the others were aborted
     for rid, tokens in expected.items():
         if rid in aborted:
             assert produced.get(rid, []) == tokens[: len(produced.get(rid, []))]
