@@ -93,6 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(router)
     router.set_defaults(func=run_router)
 
+    from pdserve.plan import add_plan_args, run_plan
+
+    plan = sub.add_parser("plan", parents=[common], help="KV capacity and a prefill:decode ratio, before running")
+    add_plan_args(plan)
+    plan.set_defaults(func=lambda args, parser, plan=plan: run_plan(args, plan))
+
+    bench = sub.add_parser("bench", parents=[common],
+                           help="load-test an OpenAI-compatible server (flags of `vllm bench serve`)")
+    from pdserve.bench.args import add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
     up = sub.add_parser("up", parents=[common], help="run a whole cluster on this machine")
     add_up_args(up)
     up.set_defaults(func=cmd_up)
@@ -112,8 +125,19 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default="default")
     g.add_argument("--kv-transfer", default="gloo")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--policy", default="least_loaded", help="routing policy (round_robin, least_loaded)")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="router: requests that may wait for decode room at once (more: 503)")
+    g.add_argument("--max-queue-wait", type=float, default=30.0,
+                   help="router: seconds a request may wait for decode room (then 503)")
+    g.add_argument("--policy", default="cache_aware",
+                   help="routing policy (cache_aware, least_loaded, round_robin)")
     add_engine_args(up)
+
+
+def cmd_bench(args, parser) -> int:
+    from pdserve.bench.main import cmd_bench as run_bench  # httpx and numpy only when benching
+
+    return run_bench(args, parser)
 
 
 def cmd_up(args, parser) -> int:

@@ -19,7 +19,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
     g.add_argument("--redis-url", default=None, help="cluster state written by the workers")
     g.add_argument("--cluster", default="default")
-    g.add_argument("--policy", default="least_loaded")
+    g.add_argument("--policy", default="cache_aware",
+                   help="routing policy (cache_aware, least_loaded, round_robin)")
     g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--served-model-name", default=None)
@@ -27,6 +28,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--ticket-timeout", type=float, default=60.0)
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests that may wait for decode room at once; more get 503 + Retry-After")
+    g.add_argument("--max-queue-wait", type=float, default=30.0,
+                   help="seconds a request may wait for decode room before 503 + Retry-After")
     g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
 
 
@@ -45,8 +50,11 @@ def build_service(args: argparse.Namespace):
     from engine.loader.locate import DEFAULT_MODEL_NAME, resolve_model_path
     from engine.loader.spec_reader import read_spec
     from engine.tokenizer import load_tokenizer
-    from router.cluster_backend import ClusterBackend
+    from router.admission import AdmissionQueue, AdmissionSettings
+    from router.cluster_backend import ClusterBackend, plain_route_request
+    from router.cluster_metrics import ClusterCollector
     from router.cluster_state import ClusterStateReader
+    from router.kv_event_reader import KVEventReader
     from router.policy import make_policy
     from router.service import RouterService
 
@@ -56,12 +64,41 @@ def build_service(args: argparse.Namespace):
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model_path.stem)
     max_model_len = args.max_model_len or spec.max_position_embeddings
     reader = ClusterStateReader(args.redis_url, args.cluster)
-    backend = ClusterBackend(reader.snapshot, make_policy(args.policy).choose, args.ticket_timeout)
+    admission = AdmissionQueue(AdmissionSettings(max_queued=args.max_queued_requests,
+                                                 max_wait_s=args.max_queue_wait))
+    kv_reader = KVEventReader(args.redis_url, args.cluster) if args.redis_url else None
+    builder = kv_reader.route_request if kv_reader is not None else plain_route_request
+    backend = ClusterBackend(reader.snapshot, make_policy(args.policy).choose, args.ticket_timeout,
+                             admission=admission, route_request=builder)
+    backend.kv_reader = kv_reader
     service = RouterService(tokenizer, backend, name, max_model_len)
-    from router.cluster_metrics import ClusterCollector
-
-    service.metrics.registry.register(ClusterCollector(backend, reader))
+    service.metrics.registry.register(ClusterCollector(backend, reader, name, kv_reader))
     return service, backend, reader
+
+
+def cluster_view(args: argparse.Namespace, backend, reader):
+    """The /v1/cluster body builder for this router."""
+    from router.cluster_view import cluster_body
+
+    async def view() -> dict[str, object]:
+        snapshot = await reader.snapshot()
+        queue = backend.admission
+        body = cluster_body(args.cluster, snapshot, reader.redis_ok, args.policy, {
+            "waiting": queue.num_waiting,
+            "max_queued": queue.settings.max_queued,
+            "max_wait_s": queue.settings.max_wait_s,
+            "blocks_freed_per_s": round(queue.free_rate.per_second(), 3),
+            "rejections": dict(queue.rejections) | dict(backend.rejections),
+            "fallbacks": dict(backend.fallbacks),
+        })
+        kv = backend.kv_reader
+        if kv is not None:
+            body["prefix_index"] = {"hashes": len(kv.index), "workers": kv.index.workers(),
+                                    "events_applied": kv.events_applied, "caught_up": kv.caught_up,
+                                    "lag_s": round(kv.lag_s, 3)}
+        return body
+
+    return view
 
 
 async def serve_router(args: argparse.Namespace) -> None:
@@ -71,9 +108,12 @@ async def serve_router(args: argparse.Namespace) -> None:
     from router.http import HttpSettings, create_app
 
     service, backend, reader = build_service(args)
-    app = create_app(service, HttpSettings(api_key=api_key_from(args)))
+    app = create_app(service, HttpSettings(api_key=api_key_from(args),
+                                           cluster_view=cluster_view(args, backend, reader)))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
+    if backend.kv_reader is not None:
+        backend.kv_reader.start()  # replays the block-event stream, then follows it
     grpc_server, grpc_port = await start_grpc_server(service, args.host, args.grpc_port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
@@ -97,6 +137,9 @@ async def serve_router(args: argparse.Namespace) -> None:
     await http_task
     await grpc_server.stop(grace=2)
     await backend.close()
+    if backend.kv_reader is not None:
+        await backend.kv_reader.aclose()
+    await reader.aclose()
 
 
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

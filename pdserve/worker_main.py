@@ -25,6 +25,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds per KV transfer step")
     g.add_argument("--heartbeat-interval", type=float, default=1.0)
     g.add_argument("--heartbeat-ttl", type=float, default=5.0)
+    g.add_argument("--kv-snapshot-interval", type=float, default=10.0,
+                   help="seconds between full snapshots of cached block hashes for routers")
     g.add_argument("--ready-file", default=None, help="write 'grpc_port metrics_port' here when serving")
     add_engine_args(parser)
 
@@ -39,10 +41,10 @@ def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentPar
     if args.worker_id:
         worker.worker_id = args.worker_id
     metrics_port = serve_metrics(worker, role, args.host, args.metrics_port)
-    heartbeat = None
+    heartbeat = kv_events = None
 
     def on_ready(grpc_port: int) -> None:
-        nonlocal heartbeat
+        nonlocal heartbeat, kv_events
         address = f"{args.host}:{grpc_port}"
         if args.redis_url:
             from pdserve.heartbeat import HeartbeatPublisher
@@ -51,6 +53,17 @@ def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentPar
                 args.redis_url, args.cluster, lambda: worker_info(worker, role, address, args.host, metrics_port),
                 interval_s=args.heartbeat_interval, ttl_s=args.heartbeat_ttl)
             heartbeat.start()
+            from pdserve.kv_events import KVEventPublisher
+
+            kv_events = KVEventPublisher(
+                args.redis_url, args.cluster, worker.worker_id, worker.incarnation,
+                worker.core.take_block_events, worker.core.cached_block_hashes,
+                snapshot_interval_s=args.kv_snapshot_interval,
+                retention_s=max(60.0, 2 * args.kv_snapshot_interval))
+            worker.loop.add_poll_hook(kv_events.poll)
+            kv_events.start()
+        else:  # nobody publishes the block events: drain them, or the core keeps them all
+            worker.loop.add_poll_hook(worker.core.take_block_events)
         if args.ready_file:
             with open(args.ready_file, "w") as f:
                 f.write(f"{grpc_port} {metrics_port}\n")
@@ -60,6 +73,8 @@ def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentPar
     try:
         asyncio.run(serve(role, worker, args.host, args.port, on_ready))
     finally:
+        if kv_events is not None:
+            kv_events.stop()
         if heartbeat is not None:
             heartbeat.stop()
     return 0

@@ -124,6 +124,8 @@ class ClusterBackend:
         self.rejections: Counter[str] = Counter()
         """Requests refused before admission, by reason (the queue counts its own)."""
         self.last_decision: RouteDecision | None = None
+        self.kv_reader = None
+        """The router's KVEventReader when it has one (started and closed by its owner)."""
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

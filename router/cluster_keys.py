@@ -4,6 +4,7 @@ Keys live under `pdserve:{cluster}:` (DESIGN.md, "Cluster state"):
 
     pdserve:{cluster}:workers             SET   worker ids that have heart-beaten
     pdserve:{cluster}:worker:{worker_id}  HASH  WorkerInfo.to_hash(), with a TTL
+    pdserve:{cluster}:kv_events           STREAM  block events (router/prefix_index.py BlockEvent)
 
 A worker's hash expires when its heartbeats stop; the set may still name it until a reader
 notices and removes it. Redis is a routing hint, not the source of truth: workers own their
@@ -23,6 +24,7 @@ __all__ = [
     "Role",
     "WorkerInfo",
     "cluster_prefix",
+    "kv_events_key",
     "worker_key",
     "workers_set_key",
 ]
@@ -48,6 +50,11 @@ def worker_key(cluster: str, worker_id: str) -> str:
 def workers_set_key(cluster: str) -> str:
     """The set of worker ids that have registered (some may have expired since)."""
     return f"{cluster_prefix(cluster)}workers"
+
+
+def kv_events_key(cluster: str) -> str:
+    """The stream of every worker's prefix-cache block events (stored, evicted, snapshot)."""
+    return f"{cluster_prefix(cluster)}kv_events"
 
 
 @dataclass(frozen=True)

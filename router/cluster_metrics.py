@@ -27,10 +27,11 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 class ClusterCollector:
     """Reads the ClusterBackend's counters, its admission queue and the state reader."""
 
-    def __init__(self, backend, reader, model_name: str = "") -> None:
+    def __init__(self, backend, reader, model_name: str = "", kv_reader=None) -> None:
         self.backend = backend
         self.reader = reader
         self.model_name = model_name
+        self.kv_reader = kv_reader
 
     def collect(self):
         b = self.backend
@@ -47,6 +48,17 @@ class ClusterCollector:
         yield from self._routing()
         yield from self._admission()
         yield from self._cluster_kv()
+        if self.kv_reader is not None:
+            yield from self._prefix_index()
+
+    def _prefix_index(self):
+        r = self.kv_reader
+        yield _counter("pdserve_kv_events_applied", "Block events applied to the router's prefix index.",
+                       r.events_applied)
+        yield _counter("pdserve_kv_events_dropped", "Block events dropped (fenced incarnations, malformed).",
+                       r.events_dropped + r.malformed)
+        yield _gauge("pdserve_prefix_index_hashes", "Block hashes the router's prefix index holds.", len(r.index))
+        yield _gauge("pdserve_kv_events_lag_seconds", "Age of the newest block event applied.", r.lag_s)
 
     def _routing(self):
         decisions = CounterMetricFamily(

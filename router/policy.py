@@ -9,11 +9,16 @@ Workers with role "both" are candidates on either side. When one worker is chose
 or no worker can prefill, the decision's prefill_id is None: the decode worker prefills the
 prompt itself and no KV crosses the wire.
 
+Policies: round_robin (no load), least_loaded (load; a decode worker's cached prompt blocks
+count as room), cache_aware (load and the prompt blocks each worker already holds, from the
+router's prefix index; the default).
+
 Imports nothing with I/O (no redis, grpc, httpx, torch); a test checks it.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,11 +29,16 @@ from router.cluster_keys import ClusterSnapshot, WorkerInfo
 
 __all__ = [
     "POLICIES",
+    "CacheAware",
+    "CacheAwareWeights",
     "LeastLoaded",
     "Policy",
     "RoundRobin",
     "RouteDecision",
     "RouteRequest",
+    "cache_aware",
+    "decode_blocks_needed",
+    "decode_headroom",
     "least_loaded",
     "make_policy",
     "prompt_blocks",
@@ -44,12 +54,25 @@ class RouteRequest:
     """Tokens in the (tokenized, templated) prompt."""
     max_tokens: int | None
     """Output tokens requested; None: up to the model's length limit."""
+    cached_blocks: tuple[tuple[str, int], ...] = ()
+    """(worker_id, leading prompt blocks that worker holds in its prefix cache, counted in
+    its own block size), from the router's prefix index; a worker not listed holds none."""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0; got {self.num_prompt_tokens}")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 or None; got {self.max_tokens}")
+        ids = [worker_id for worker_id, _ in self.cached_blocks]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"cached_blocks names a worker twice: {ids}")
+        for worker_id, count in self.cached_blocks:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"cached_blocks[{worker_id!r}] must be an int >= 0; got {count!r}")
+
+    def cached_for(self, worker_id: str) -> int:
+        """Leading prompt blocks worker_id holds (0 when the index knows of none)."""
+        return next((count for wid, count in self.cached_blocks if wid == worker_id), 0)
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ class RoundRobin:
 
 def _pick_lowest(
     workers: Sequence[WorkerInfo],
-    key: Callable[[WorkerInfo], tuple[int, ...]],
+    key: Callable[[WorkerInfo], tuple[float, ...]],
     rng: random.Random,
 ) -> WorkerInfo:
     """The worker with the lowest key; ties broken by rng (drawn only when there is a tie)."""
@@ -142,10 +165,16 @@ def _pick_lowest(
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
-def decode_headroom(worker: WorkerInfo, num_prompt_tokens: int) -> int:
-    """Blocks the decode worker would have left after reserving this prompt's blocks
+def decode_blocks_needed(worker: WorkerInfo, num_prompt_tokens: int, cached_blocks: int = 0) -> int:
+    """New blocks the decode worker reserves for the prompt: all its blocks but the leading
+    cached_blocks it already holds (those are reused, not allocated, and not sent)."""
+    return max(prompt_blocks(num_prompt_tokens, worker.block_size) - cached_blocks, 0)
+
+
+def decode_headroom(worker: WorkerInfo, num_prompt_tokens: int, cached_blocks: int = 0) -> int:
+    """Blocks the decode worker would have left after reserving this prompt's new blocks
     (negative: it lacks that many)."""
-    needed = prompt_blocks(num_prompt_tokens, worker.block_size)
+    needed = decode_blocks_needed(worker, num_prompt_tokens, cached_blocks)
     return worker.free_blocks - worker.reserved_blocks - needed
 
 
@@ -153,23 +182,28 @@ def least_loaded(
     request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random
 ) -> RouteDecision | None:
     """Prefill: fewest queued prefill tokens, then fewest running, then rng.
-    Decode: most blocks left after reserving the prompt's blocks, then fewest running, then
-    rng. A decode worker without room is still chosen when none has room (it will refuse the
+    Decode: most blocks left after reserving the prompt's blocks (less those it already
+    holds, request.cached_for), then fewest running, then rng. A decode worker without room is still chosen when none has room (it will refuse the
     request with the exact numbers; scarcity is the worker's answer, not the policy's)."""
     decoders = snapshot.decode_workers()
     if not decoders:
         return None
     n = request.num_prompt_tokens
-    decode = _pick_lowest(decoders, lambda w: (-decode_headroom(w, n), w.num_running), rng)
+
+    def headroom_of(w: WorkerInfo) -> int:
+        return decode_headroom(w, n, request.cached_for(w.worker_id))
+
+    decode = _pick_lowest(decoders, lambda w: (-headroom_of(w), w.num_running), rng)
     prefillers = snapshot.prefill_workers()
     prefill = (
         _pick_lowest(prefillers, lambda w: (w.queued_prefill_tokens, w.num_running), rng)
         if prefillers
         else None
     )
-    headroom = decode_headroom(decode, n)
+    headroom = headroom_of(decode)
     inputs: list[tuple[str, float]] = [
         ("prompt_blocks", float(prompt_blocks(n, decode.block_size))),
+        ("decode_cached_blocks", float(request.cached_for(decode.worker_id))),
         ("decode_candidates", float(len(decoders))),
         ("decode_headroom_blocks", float(headroom)),
         ("decode_running", float(decode.num_running)),
@@ -200,10 +234,135 @@ class LeastLoaded:
         return least_loaded(request, snapshot, rng)
 
 
+@dataclass(frozen=True)
+class CacheAwareWeights:
+    """How cache_aware prices a prefill worker: cost = uncached_token * prompt tokens it must
+    compute + queued_token * prompt tokens queued ahead of ours. Equal weights say a queued
+    token delays us as much as one of ours to compute."""
+
+    uncached_token: float = 1.0
+    """Cost of one prompt token the worker does not hold in its prefix cache (>= 0)."""
+    queued_token: float = 1.0
+    """Cost of one prompt token already waiting for prefill on the worker (>= 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("uncached_token", "queued_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} weight must be a number; got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} weight must be finite and >= 0; got {value!r}")
+        if self.uncached_token == 0 and self.queued_token == 0:
+            raise ValueError("at least one cache_aware weight must be > 0")
+
+
+@dataclass(frozen=True)
+class _PrefillPrice:
+    cached_blocks: int
+    uncached_tokens: int
+    cost: float
+
+
+def _prefill_price(
+    worker: WorkerInfo, request: RouteRequest, weights: CacheAwareWeights
+) -> _PrefillPrice:
+    cached = request.cached_for(worker.worker_id)
+    uncached = max(request.num_prompt_tokens - cached * worker.block_size, 0)
+    cost = weights.uncached_token * uncached + weights.queued_token * worker.queued_prefill_tokens
+    return _PrefillPrice(cached, uncached, cost)
+
+
+def cache_aware(
+    request: RouteRequest,
+    snapshot: ClusterSnapshot,
+    rng: random.Random,
+    weights: CacheAwareWeights = CacheAwareWeights(),
+) -> RouteDecision | None:
+    """Prefill: lowest cost = weights.uncached_token * prompt tokens the worker does not hold
+    (request.cached_for blocks of its block_size are reused) + weights.queued_token * its
+    queued prefill tokens; then fewest running; then rng.
+    Decode: most blocks left after reserving the prompt's blocks less those it holds
+    (free - reserved - needed), then fewest running, then rng; chosen even when none has
+    room (the worker refuses with the numbers). rng is drawn only on a full tie."""
+    decoders = snapshot.decode_workers()
+    if not decoders:
+        return None
+    n = request.num_prompt_tokens
+
+    def headroom_of(w: WorkerInfo) -> int:
+        return decode_headroom(w, n, request.cached_for(w.worker_id))
+
+    decode = _pick_lowest(decoders, lambda w: (-headroom_of(w), w.num_running), rng)
+    prefillers = snapshot.prefill_workers()
+    prefill = (
+        _pick_lowest(
+            prefillers, lambda w: (_prefill_price(w, request, weights).cost, w.num_running), rng
+        )
+        if prefillers
+        else None
+    )
+    decode_cached = request.cached_for(decode.worker_id)
+    needed = decode_blocks_needed(decode, n, decode_cached)
+    headroom = headroom_of(decode)
+    inputs: list[tuple[str, float]] = [
+        ("prompt_tokens", float(n)),
+        ("decode_candidates", float(len(decoders))),
+        ("decode_prompt_blocks", float(prompt_blocks(n, decode.block_size))),
+        ("decode_cached_blocks", float(decode_cached)),
+        ("decode_needed_blocks", float(needed)),
+        ("decode_headroom_blocks", float(headroom)),
+        ("decode_running", float(decode.num_running)),
+        ("prefill_candidates", float(len(prefillers))),
+    ]
+    prefill_id = _prefill_id(prefill, decode)
+    where = "prefill on decode worker"
+    if prefill is not None:
+        price = _prefill_price(prefill, request, weights)
+        inputs += [
+            ("prefill_prompt_blocks", float(prompt_blocks(n, prefill.block_size))),
+            ("prefill_cached_blocks", float(price.cached_blocks)),
+            ("prefill_uncached_tokens", float(price.uncached_tokens)),
+            ("prefill_queued_tokens", float(prefill.queued_prefill_tokens)),
+            ("prefill_running", float(prefill.num_running)),
+            ("prefill_cost", float(price.cost)),
+            ("weight_uncached_token", float(weights.uncached_token)),
+            ("weight_queued_token", float(weights.queued_token)),
+        ]
+        why = (
+            f"lowest cost {price.cost:g}: {price.cached_blocks}/"
+            f"{prompt_blocks(n, prefill.block_size)} blocks cached, {price.uncached_tokens} "
+            f"tokens to compute, {prefill.queued_prefill_tokens} queued"
+        )
+        where = f"prefill {prefill_id} ({why})" if prefill_id else f"{where} ({why})"
+    room = f"{headroom} blocks left" if headroom >= 0 else f"lacks {-headroom} blocks; none has room"
+    return RouteDecision(
+        prefill_id=prefill_id,
+        decode_id=decode.worker_id,
+        reason=(
+            f"cache_aware: {where}, decode {decode.worker_id} (most room: {room} after "
+            f"{needed} new, {decode_cached} cached)"
+        ),
+        inputs=tuple(inputs),
+    )
+
+
+class CacheAware:
+    """cache_aware as a Policy object with fixed weights. Stateless."""
+
+    def __init__(self, weights: CacheAwareWeights = CacheAwareWeights()) -> None:
+        self.weights = weights
+
+    def choose(
+        self, request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random
+    ) -> RouteDecision | None:
+        return cache_aware(request, snapshot, rng, self.weights)
+
+
 POLICIES: Registry[Callable[[], Policy]] = Registry("routing policy")
 """Policy factories by name; each call makes a policy with fresh state."""
 POLICIES.register("round_robin", RoundRobin)
 POLICIES.register("least_loaded", LeastLoaded)
+POLICIES.register("cache_aware", CacheAware)
 
 
 def make_policy(name: str) -> Policy:

@@ -86,6 +86,10 @@ class BlockEvents:
 class BlockPool:
     """Owns every block of one KV cache. Not thread-safe: one engine loop drives it."""
 
+    MAX_PENDING_EVENTS = 100_000
+    """Events kept until taken. A worker takes them every loop iteration; an offline engine
+    never does, so past this bound the oldest pending ones are dropped (memory stays flat)."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -153,6 +157,7 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self._stored.append(block_hash)
+        self._bound_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
@@ -173,10 +178,17 @@ class BlockPool:
         self._evicted.clear()
         return events
 
+    def _bound_events(self) -> None:
+        # Trimmed only at twice the bound, so dropping stays amortized O(1) per event.
+        for events in (self._stored, self._evicted):
+            if len(events) >= 2 * self.MAX_PENDING_EVENTS:
+                del events[: len(events) - self.MAX_PENDING_EVENTS]
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
             self._evicted.append(block.block_hash)
+            self._bound_events()
         block.block_hash = None

@@ -257,3 +257,16 @@ def test_reset_prefix_cache_is_refused_while_a_block_is_in_use_then_forgets_ever
     assert pool.num_cached_blocks == 0
     assert pool.take_events() == BlockEvents(stored=(), evicted=(h,))
     assert pool.num_free_blocks == 2
+
+
+def test_pending_events_that_nobody_takes_stay_bounded(monkeypatch):
+    monkeypatch.setattr(BlockPool, "MAX_PENDING_EVENTS", 3)
+    pool = BlockPool(8)
+    hashes = []
+    parent = ROOT_HASH
+    for i, block in enumerate(pool.get_new_blocks(6)):
+        parent = hash_block(parent, [i])
+        hashes.append(parent)
+        pool.cache(block, parent)
+    # At twice the bound (6) the oldest are dropped down to the bound (3).
+    assert pool.take_events() == BlockEvents(stored=tuple(hashes[3:]), evicted=())

@@ -10,10 +10,13 @@ from router.cluster_keys import ClusterSnapshot, WorkerInfo
 from router.cluster_state import fence_incarnations
 from router.policy import (
     POLICIES,
+    CacheAware,
+    CacheAwareWeights,
     LeastLoaded,
     RoundRobin,
     RouteDecision,
     RouteRequest,
+    cache_aware,
     least_loaded,
     make_policy,
     prompt_blocks,
@@ -61,19 +64,23 @@ def test_route_request_rejects_negative_counts():
         RouteRequest(num_prompt_tokens=1, max_tokens=-2)
 
 
-@pytest.mark.parametrize("name", ["round_robin", "least_loaded"])
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "cache_aware"])
 def test_every_policy_returns_none_without_a_decode_worker(name):
     only_prefill = snapshot(worker("p0", "prefill"))
     assert make_policy(name).choose(REQUEST, only_prefill, random.Random(0)) is None
     assert make_policy(name).choose(REQUEST, snapshot(), random.Random(0)) is None
 
 
-def test_registry_knows_both_policies_and_lists_them_for_an_unknown_name():
-    assert POLICIES.names() == ["least_loaded", "round_robin"]
+def test_registry_knows_every_policy_and_lists_them_for_an_unknown_name():
+    assert POLICIES.names() == ["cache_aware", "least_loaded", "round_robin"]
     assert isinstance(make_policy("least_loaded"), LeastLoaded)
+    assert isinstance(make_policy("cache_aware"), CacheAware)
+    assert make_policy("cache_aware").weights == CacheAwareWeights(1.0, 1.0)
     with pytest.raises(KeyError) as info:
         make_policy("random")
-    assert info.value.args[0] == "unknown routing policy 'random'; known: least_loaded, round_robin"
+    assert info.value.args[0] == (
+        "unknown routing policy 'random'; known: cache_aware, least_loaded, round_robin"
+    )
 
 
 def test_make_policy_gives_each_caller_its_own_round_robin_counter():
@@ -128,6 +135,7 @@ def test_least_loaded_prefers_fewest_queued_prefill_tokens_and_most_decode_room(
         reason="least_loaded: prefill p1, decode d0",
         inputs=(
             ("prompt_blocks", 3.0),
+            ("decode_cached_blocks", 0.0),
             ("decode_candidates", 2.0),
             ("decode_headroom_blocks", 37.0),
             ("decode_running", 1.0),
@@ -233,3 +241,155 @@ def test_fence_accepts_a_restart_with_a_newer_heartbeat():
     kept, fence = fence_incarnations([restarted], {"d0": ("b", 200.0)})
     assert kept == (restarted,)
     assert fence == {"d0": ("c", 300.0)}
+
+
+# ---------------------------------------------------------------------------- cache_aware
+
+LONG = 1008  # 63 blocks of 16
+
+
+def test_route_request_reports_cached_blocks_per_worker_and_zero_for_the_rest():
+    request = RouteRequest(LONG, 8, cached_blocks=(("p0", 60), ("d0", 2)))
+    assert [request.cached_for(w) for w in ("p0", "d0", "p1")] == [60, 2, 0]
+
+
+def test_route_request_rejects_bad_cached_blocks():
+    with pytest.raises(ValueError, match="cached_blocks\\['p0'\\] must be an int >= 0; got -1"):
+        RouteRequest(LONG, 8, cached_blocks=(("p0", -1),))
+    with pytest.raises(ValueError, match="cached_blocks names a worker twice: \\['p0', 'p0'\\]"):
+        RouteRequest(LONG, 8, cached_blocks=(("p0", 1), ("p0", 2)))
+
+
+@pytest.mark.parametrize(
+    ("queued", "chosen"), [(0, "p_hot"), (959, "p_hot"), (960, "p_idle"), (961, "p_idle")]
+)
+def test_the_worker_holding_60_of_63_blocks_wins_over_an_idle_one_until_its_queue_reaches_960(
+    queued, chosen
+):
+    # hot: 48 tokens to compute + queued; idle: 1008 to compute. At 960 the costs tie and the
+    # idle worker wins on fewer running requests.
+    snap = snapshot(
+        worker("p_hot", "prefill", queued_prefill_tokens=queued, num_running=1),
+        worker("p_idle", "prefill"),
+        worker("d0", "decode"),
+    )
+    request = RouteRequest(LONG, 16, cached_blocks=(("p_hot", 60),))
+    assert cache_aware(request, snap, random.Random(0)).prefill_id == chosen
+
+
+def test_cache_aware_explains_its_choice_with_every_number_it_used():
+    snap = snapshot(
+        worker("p_hot", "prefill", queued_prefill_tokens=100, num_running=2),
+        worker("p_idle", "prefill"),
+        worker("d0", "decode", free_blocks=80, reserved_blocks=10, num_running=3),
+        worker("d1", "decode", free_blocks=60, reserved_blocks=0, num_running=1),
+    )
+    request = RouteRequest(LONG, 16, cached_blocks=(("p_hot", 60), ("d1", 20)))
+    assert cache_aware(request, snap, random.Random(0)) == RouteDecision(
+        prefill_id="p_hot",
+        decode_id="d1",
+        reason=(
+            "cache_aware: prefill p_hot (lowest cost 148: 60/63 blocks cached, 48 tokens to "
+            "compute, 100 queued), decode d1 (most room: 17 blocks left after 43 new, 20 cached)"
+        ),
+        inputs=(
+            ("prompt_tokens", 1008.0),
+            ("decode_candidates", 2.0),
+            ("decode_prompt_blocks", 63.0),
+            ("decode_cached_blocks", 20.0),
+            ("decode_needed_blocks", 43.0),
+            ("decode_headroom_blocks", 17.0),
+            ("decode_running", 1.0),
+            ("prefill_candidates", 2.0),
+            ("prefill_prompt_blocks", 63.0),
+            ("prefill_cached_blocks", 60.0),
+            ("prefill_uncached_tokens", 48.0),
+            ("prefill_queued_tokens", 100.0),
+            ("prefill_running", 2.0),
+            ("prefill_cost", 148.0),
+            ("weight_uncached_token", 1.0),
+            ("weight_queued_token", 1.0),
+        ),
+    )
+
+
+def test_cache_aware_weights_trade_cached_tokens_against_queued_ones():
+    snap = snapshot(
+        worker("p_hot", "prefill", queued_prefill_tokens=9000),
+        worker("p_idle", "prefill"),
+        worker("d0", "decode"),
+    )
+    request = RouteRequest(LONG, 16, cached_blocks=(("p_hot", 60),))
+    rng = random.Random(0)
+    assert cache_aware(request, snap, rng).prefill_id == "p_idle"  # 9048 vs 1008
+    light_queue = CacheAwareWeights(uncached_token=1.0, queued_token=0.1)
+    decision = CacheAware(light_queue).choose(request, snap, rng)
+    assert decision.prefill_id == "p_hot"  # 48 + 900 = 948 vs 1008
+    assert dict(decision.inputs)["prefill_cost"] == 948.0
+
+
+def test_cache_aware_weights_are_validated():
+    with pytest.raises(ValueError, match="queued_token weight must be finite and >= 0; got -1"):
+        CacheAwareWeights(queued_token=-1.0)
+    with pytest.raises(ValueError, match="uncached_token weight must be finite and >= 0; got inf"):
+        CacheAwareWeights(uncached_token=float("inf"))
+    with pytest.raises(ValueError, match="at least one cache_aware weight must be > 0"):
+        CacheAwareWeights(0.0, 0.0)
+    with pytest.raises(ValueError, match="queued_token weight must be a number; got True"):
+        CacheAwareWeights(queued_token=True)
+
+
+def test_cache_aware_picks_the_decode_worker_that_needs_fewer_new_blocks():
+    # d_cold must reserve all 63 blocks (free 70 -> 7 left); d_warm holds 60 (free 30 -> 27).
+    snap = snapshot(worker("d_cold", "decode", free_blocks=70), worker("d_warm", "decode", free_blocks=30))
+    request = RouteRequest(LONG, 16, cached_blocks=(("d_warm", 60),))
+    decision = cache_aware(request, snap, random.Random(0))
+    assert (decision.prefill_id, decision.decode_id) == (None, "d_warm")
+    assert dict(decision.inputs)["decode_headroom_blocks"] == 27.0
+    assert decision.reason == (
+        "cache_aware: prefill on decode worker, decode d_warm (most room: 27 blocks left "
+        "after 3 new, 60 cached)"
+    )
+
+
+def test_cache_aware_counts_cached_tokens_in_the_prefill_workers_own_block_size():
+    # p32 holds 30 blocks of 32 = 960 tokens (48 left); p16 holds 40 blocks of 16 (368 left).
+    snap = snapshot(
+        worker("p16", "prefill"), worker("p32", "prefill", block_size=32), worker("d0", "decode")
+    )
+    request = RouteRequest(LONG, 16, cached_blocks=(("p16", 40), ("p32", 30)))
+    decision = cache_aware(request, snap, random.Random(0))
+    assert decision.prefill_id == "p32"
+    assert dict(decision.inputs)["prefill_uncached_tokens"] == 48.0
+    assert dict(decision.inputs)["prefill_prompt_blocks"] == 32.0
+
+
+def test_cache_aware_breaks_full_ties_by_rng_reproducibly_and_draws_only_on_a_tie():
+    tie = snapshot(worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"))
+    request = RouteRequest(LONG, 16)
+    picks = [cache_aware(request, tie, random.Random(seed)).prefill_id for seed in range(6)]
+    assert picks == ["p1", "p0", "p0", "p0", "p0", "p1"]
+    no_tie = RouteRequest(LONG, 16, cached_blocks=(("p1", 1),))
+    rng = random.Random(11)
+    state = rng.getstate()
+    assert cache_aware(no_tie, tie, rng).prefill_id == "p1"
+    assert rng.getstate() == state
+
+
+def test_cache_aware_prefills_locally_when_the_chosen_both_worker_holds_the_prompt():
+    snap = snapshot(worker("b0", "both"), worker("p0", "prefill"))
+    request = RouteRequest(LONG, 16, cached_blocks=(("b0", 63),))
+    decision = cache_aware(request, snap, random.Random(0))
+    assert (decision.prefill_id, decision.decode_id) == (None, "b0")
+    assert decision.reason.startswith(
+        "cache_aware: prefill on decode worker (lowest cost 0: 63/63 blocks cached, 0 tokens"
+    )
+
+
+def test_least_loaded_counts_the_decode_workers_cached_blocks_as_room():
+    snap = snapshot(worker("d0", "decode", free_blocks=70), worker("d1", "decode", free_blocks=30))
+    request = RouteRequest(LONG, 16, cached_blocks=(("d1", 60),))
+    decision = least_loaded(request, snap, random.Random(0))
+    assert decision.decode_id == "d1"
+    assert dict(decision.inputs)["decode_cached_blocks"] == 60.0
+    assert dict(decision.inputs)["decode_headroom_blocks"] == 27.0

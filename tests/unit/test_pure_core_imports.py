@@ -26,6 +26,7 @@ PURE_MODULES = (
     "engine.capacity",
     "engine.config",
     "engine.registry",
+    "router.prefix_index",
 )
 
 PURE_FILES = sorted(
@@ -37,6 +38,7 @@ PURE_FILES = sorted(
         REPO / "engine" / "capacity.py",
         REPO / "engine" / "config.py",
         REPO / "engine" / "registry.py",
+        REPO / "router" / "prefix_index.py",
     }
 )
 
