@@ -1,0 +1,255 @@
+"""Disaggregated (1 prefill + 1 decode worker, one core each) vs colocated (one worker, both
+cores) on this machine, under steady short chats with and without bursts of long prompts.
+
+    .venv/bin/python benchmarks/disagg_vs_colocated.py [--quick] [--dtype auto|bfloat16|float32]
+                        [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--no-results]
+
+Method (printed with the results too):
+
+- Setups, one at a time, each with its own embedded Redis (pdserve.redis_server) and a
+  `pdserve router` (not pinned: it may use both cores, as may the bench clients):
+  disaggregated = `taskset -c A pdserve prefill --num-threads 1` + `taskset -c B pdserve decode
+  --num-threads 1`; colocated = `taskset -c A,B pdserve decode --num-threads 2` alone, so the
+  router sends every request to it and it prefills and decodes (pdserve up --colocated's path).
+- Phases per setup, after an untimed warm-up: "steady" = one `pdserve bench` process sending
+  short chats at a fixed Poisson rate; "bursts" = the same stream (other prompts: another
+  seed) with a second `pdserve bench` process sending ~2k-token prompts in gamma bursts
+  (burstiness < 1) over the same period. Both setups get the same prompts and send times.
+- Reported for the short-chat stream: decode ITL p99 (gaps between streamed tokens), TTFT
+  p99, and goodput = requests/s that met the SLO (TTFT <= --slo-ttft-ms and TPOT <=
+  --slo-tpot-ms, vLLM's --goodput) over the phase; for the bursts: their TTFT p99.
+- Goals: with bursts, disaggregated ITL p99 <= 1.2x its steady value; goodput with bursts
+  disaggregated >= 1.5x colocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
+from benchmarks.peers.servers import (  # noqa: E402
+    HOST, Processes, Server, exit_on_sigterm, finish_bench, free_port, http_ok, pdserve_command, pinned_cores,
+    run_bench, start_bench, wait_until)
+
+ITL_GOAL = 1.2
+"""Most disaggregated ITL p99 with bursts / without."""
+GOODPUT_GOAL = 1.5
+"""Least goodput with bursts, disaggregated / colocated."""
+MAX_MODEL_LEN = 4096
+BURST_DELAY_S = 2.0
+"""The burst stream starts this long after the short stream (its prompts are built meanwhile)."""
+BENCH_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """The two streams: short chats at a steady rate, long prompts in bursts."""
+
+    short_in: int
+    short_out: int
+    short_rate: float
+    short_count: int
+    long_in: int
+    long_out: int
+    long_rate: float
+    long_count: int
+    burstiness: float
+
+    def describe(self) -> list[str]:
+        return [
+            f"- short chats: {self.short_count} random prompts of {self.short_in} tokens, {self.short_out} new "
+            f"tokens, Poisson at {self.short_rate:g} req/s (~{self.short_count / self.short_rate:.0f} s)",
+            f"- bursts: {self.long_count} random prompts of {self.long_in} tokens, {self.long_out} new tokens, "
+            f"gamma arrivals (burstiness {self.burstiness:g}) at {self.long_rate:g} req/s on average, "
+            f"starting {BURST_DELAY_S:g} s after the short chats",
+        ]
+
+
+FULL = Load(short_in=128, short_out=64, short_rate=1.0, short_count=60,
+            long_in=2048, long_out=16, long_rate=0.15, long_count=8, burstiness=0.3)
+QUICK = Load(short_in=64, short_out=16, short_rate=2.0, short_count=8,
+             long_in=1024, long_out=4, long_rate=1.0, long_count=2, burstiness=0.5)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Workers of one setup: (role, taskset cores, torch threads) each."""
+
+    name: str
+    workers: tuple[tuple[str, str, int], ...]
+
+
+def layouts() -> list[Layout]:
+    a, b = pinned_cores(2)
+    return [Layout("disaggregated", (("prefill", str(a), 1), ("decode", str(b), 1))),
+            Layout("colocated", (("decode", f"{a},{b}", 2),))]
+
+
+def start_setup(procs: Processes, layout: Layout, redis_url: str, engine_flags: list[str]) -> Server:
+    """Workers (loading in parallel), then the router once every worker is serving."""
+    cluster = ["--redis-url", redis_url, "--cluster", layout.name]
+    started = []
+    for role, cores, threads in layout.workers:
+        ready = procs.workdir / f"{layout.name}-{role}.ready"
+        cmd = pdserve_command(role, "--host", HOST, "--worker-id", f"{role}-0", "--ready-file", str(ready),
+                              "--num-threads", str(threads), *cluster, *engine_flags)
+        started.append((procs.start(f"{layout.name}-{role}", cmd, cores=cores), ready))
+    for proc, ready in started:
+        wait_until(lambda: ready.exists() and bool(ready.read_text().strip()), proc, 600, "ready file")
+    port, ready = free_port(), procs.workdir / f"{layout.name}-router.ready"
+    router = procs.start(f"{layout.name}-router", pdserve_command(
+        "router", "--host", HOST, "--port", str(port), "--grpc-port", "0", "--ready-file", str(ready),
+        "--max-model-len", str(MAX_MODEL_LEN), *cluster))
+    base_url = f"http://{HOST}:{port}"
+    wait_until(lambda: ready.exists() and http_ok(base_url + "/health"), router, 120, "ready router")
+    return Server(layout.name, base_url, router)
+
+
+def short_flags(load: Load, seed: int, slo: tuple[float, float]) -> tuple[str, ...]:
+    return ("--dataset-name", "random", "--random-input-len", str(load.short_in), "--random-output-len",
+            str(load.short_out), "--num-prompts", str(load.short_count), "--request-rate", str(load.short_rate),
+            "--seed", str(seed), "--goodput", f"ttft:{slo[0]:g}", f"tpot:{slo[1]:g}")
+
+
+def long_flags(load: Load, seed: int) -> tuple[str, ...]:
+    return ("--dataset-name", "random", "--random-input-len", str(load.long_in), "--random-output-len",
+            str(load.long_out), "--num-prompts", str(load.long_count), "--request-rate", str(load.long_rate),
+            "--burstiness", str(load.burstiness), "--seed", str(seed))
+
+
+COMMON = ("--endpoint", "/v1/completions", "--ignore-eos", "--temperature", "0", "--percentile-metrics",
+          "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm")
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Bench JSON of one setup: short chats alone, short chats and the bursts beside them."""
+
+    steady: dict
+    bursts_short: dict
+    bursts_long: dict
+
+
+def run_setup(procs: Processes, server: Server, load: Load, slo: tuple[float, float]) -> Phases:
+    """Warm-up (a long and a short prompt: first packing, first KV channel), then the phases."""
+    out, url, name = procs.workdir, server.base_url, server.label
+    for kind, length, seed in (("long", load.long_in, 900), ("short", load.short_in, 901)):
+        warm = ("--dataset-name", "random", "--random-input-len", str(length), "--random-output-len", "4",
+                "--num-prompts", "2", "--seed", str(seed))  # sent at once; only their side effects matter
+        run_bench(procs, f"{name}-warmup-{kind}", url, (*COMMON, *warm), out, BENCH_TIMEOUT_S)
+    print(f"  {name}: steady short chats ...", flush=True)
+    steady = run_bench(procs, f"{name}-steady", url, (*COMMON, *short_flags(load, 1, slo)), out, BENCH_TIMEOUT_S)
+    print(f"  {name}: short chats with bursts of long prompts ...", flush=True)
+    short = start_bench(procs, f"{name}-bursts-short", url, (*COMMON, *short_flags(load, 2, slo)), out)
+    time.sleep(BURST_DELAY_S)
+    long = start_bench(procs, f"{name}-bursts-long", url, (*COMMON, *long_flags(load, 3)), out)
+    return Phases(steady, finish_bench(procs, short, BENCH_TIMEOUT_S), finish_bench(procs, long, BENCH_TIMEOUT_S))
+
+
+def measure(layout: Layout, load: Load, slo: tuple[float, float], engine_flags: list[str], workdir: Path) -> Phases:
+    """One setup from start to stop: its own Redis, workers, router and bench processes."""
+    from pdserve.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as redis, Processes(workdir) as procs:
+        server = start_setup(procs, layout, redis.url, engine_flags)
+        return run_setup(procs, server, load, slo)
+
+
+# ------------------------------------------------------------------ report
+def value(result: dict, field: str) -> float:
+    number = result.get(field)
+    return float(number) if number is not None else math.nan
+
+
+def quotient(a: float, b: float) -> float:
+    return a / b if b else (math.inf if a else math.nan)
+
+
+def rows(results: dict[str, Phases]) -> tuple[list[str], list[list[object]]]:
+    headers = ["setup", "ITL p99 steady ms", "ITL p99 bursts ms", "ITL bursts/steady", "TTFT p99 steady ms",
+               "TTFT p99 bursts ms", "long TTFT p99 ms", "goodput steady req/s", "goodput bursts req/s",
+               "failed (steady/short/long)"]
+    table = []
+    for name, p in results.items():
+        itl_a, itl_b = value(p.steady, "p99_itl_ms"), value(p.bursts_short, "p99_itl_ms")
+        table.append([name, f"{itl_a:.1f}", f"{itl_b:.1f}", f"{quotient(itl_b, itl_a):.2f}x",
+                      f"{value(p.steady, 'p99_ttft_ms'):.1f}", f"{value(p.bursts_short, 'p99_ttft_ms'):.1f}",
+                      f"{value(p.bursts_long, 'p99_ttft_ms'):.1f}", f"{value(p.steady, 'request_goodput'):.2f}",
+                      f"{value(p.bursts_short, 'request_goodput'):.2f}",
+                      f"{p.steady['failed']}/{p.bursts_short['failed']}/{p.bursts_long['failed']}"])
+    return headers, table
+
+
+def goal_lines(results: dict[str, Phases]) -> list[str]:
+    dis, col = results["disaggregated"], results["colocated"]
+    itl = quotient(value(dis.bursts_short, "p99_itl_ms"), value(dis.steady, "p99_itl_ms"))
+    col_itl = quotient(value(col.bursts_short, "p99_itl_ms"), value(col.steady, "p99_itl_ms"))
+    good = quotient(value(dis.bursts_short, "request_goodput"), value(col.bursts_short, "request_goodput"))
+    met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
+    return [
+        f"- goal disaggregated ITL p99 with bursts <= {ITL_GOAL}x steady: {itl:.2f}x -> {met(itl <= ITL_GOAL)} "
+        f"(colocated: {col_itl:.2f}x)",
+        f"- goal goodput with bursts disaggregated >= {GOODPUT_GOAL}x colocated: {good:.2f}x -> "
+        f"{met(good >= GOODPUT_GOAL)}",
+        f"- steady goodput disaggregated / colocated: "
+        f"{quotient(value(dis.steady, 'request_goodput'), value(col.steady, 'request_goodput')):.2f}x; "
+        f"short-chat output tok/s with bursts: disaggregated {value(dis.bursts_short, 'output_throughput'):.1f}, "
+        f"colocated {value(col.bursts_short, 'output_throughput'):.1f}",
+    ]
+
+
+def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], all_layouts: list[Layout]) -> list[str]:
+    setups = "; ".join(f"{lay.name}: " + ", ".join(f"{role} on core(s) {cores} with {threads} thread(s)"
+                                                     for role, cores, threads in lay.workers) for lay in all_layouts)
+    return [
+        f"- setups: {setups}; router, Redis and bench clients unpinned; engine flags `{' '.join(engine_flags)}`",
+        *load.describe(),
+        f"- SLO for goodput (short chats): TTFT <= {slo[0]:g} ms and TPOT <= {slo[1]:g} ms",
+        "- ITL = gaps between streamed tokens of the short chats (p99 over all gaps of the phase); TTFT p99 of "
+        "the short chats; long TTFT = the bursts' own TTFT p99",
+        "- load: `pdserve bench " + " ".join(COMMON) + " --base-url URL <stream flags>`; one untimed warm-up "
+        "per setup (2 long + 2 short prompts, other seeds)",
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    exit_on_sigterm()
+    load, slo = (QUICK if args.quick else FULL), (args.slo_ttft_ms, args.slo_tpot_ms)
+    engine_flags = ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN)]
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-disagg-vs-colocated-"))
+    print(f"work dir (logs, bench JSON): {workdir}", flush=True)
+    all_layouts = layouts()
+    results = {lay.name: measure(lay, load, slo, engine_flags, workdir) for lay in all_layouts}
+
+    headers, table = rows(results)
+    goals, method = goal_lines(results), method_lines(load, slo, engine_flags, all_layouts)
+    print("\n" + text_table(headers, table) + "\n\n" + "\n".join(goals) + "\n\nMethod:\n" + "\n".join(method))
+    if args.quick or args.no_results:
+        print("\n(quick/no-results run: RESULTS.md left alone)")
+        return 0
+    importlib.import_module("torch")  # only so that the results header lists its version
+
+    body = "\n".join([markdown_table(headers, table), "", *goals, "", "Method:", "", *method])
+    path = append_results(f"disagg_vs_colocated ({args.dtype})", body)
+    print(f"\nappended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
