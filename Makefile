@@ -33,9 +33,16 @@ generate: install
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve/v1/*.proto
 
+# Each script appends its table of ratios to benchmarks/RESULTS.md. Run on a quiet machine:
+# the ratios are measured side by side in one run, but 2 busy cores distort any timing.
 bench: install
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/transfer_bandwidth.py
+	$(BIN)/python benchmarks/prefix_routing.py
+	$(BIN)/python benchmarks/disagg_vs_colocated.py
+	PYTHON=$(BIN)/python benchmarks/peers/build_llamacpp.sh
+	$(BIN)/python benchmarks/vs_llamacpp.py
+	$(BIN)/python benchmarks/router_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

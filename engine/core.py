@@ -177,6 +177,21 @@ class EngineCore:
         return tuple(self.kv.pool.cached_hashes())
 
     # ------------------------------------------------------------------ state
+    QUEUE_HIT_LOOKUPS = 16
+    """Waiting requests whose prefix-cache hit is looked up for the load report (each lookup
+    hashes the prompt); the rest count their whole prompt."""
+
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens the waiting requests still need computed, less what the prefix cache
+        already holds for the first few (routers weigh a worker's queue by this)."""
+        total = 0
+        for i, request in enumerate(self.scheduler.waiting):
+            left = request.num_tokens - request.num_computed_tokens
+            if i < self.QUEUE_HIT_LOOKUPS and request.num_computed_tokens == 0:
+                left -= self.kv.find_prefix(request).num_tokens
+            total += left
+        return total
+
     def stats(self) -> CoreStats:
         s = self.scheduler
         return CoreStats(
@@ -187,7 +202,7 @@ class EngineCore:
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_reserved=len(s.reserved),
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            queued_prefill_tokens=self._queued_prefill_tokens(),
             num_preemptions=s.stats.num_preemptions,
             prefix_cache_queries=s.stats.prefix_cache_queries,
             prefix_cache_hits=s.stats.prefix_cache_hits,

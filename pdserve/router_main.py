@@ -27,6 +27,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
+    g.add_argument("--prefill-queue-weight", type=float, default=1.0,
+                   help="cache_aware: cost of one queued prefill token relative to one uncached prompt token")
     g.add_argument("--ticket-timeout", type=float, default=60.0)
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests that may wait for decode room at once; more get 503 + Retry-After")
@@ -55,7 +57,7 @@ def build_service(args: argparse.Namespace):
     from router.cluster_metrics import ClusterCollector
     from router.cluster_state import ClusterStateReader
     from router.kv_event_reader import KVEventReader
-    from router.policy import make_policy
+    from router.policy import CacheAware, CacheAwareWeights, make_policy
     from router.service import RouterService
 
     model_path = resolve_model_path(args.model)
@@ -68,7 +70,11 @@ def build_service(args: argparse.Namespace):
                                                  max_wait_s=args.max_queue_wait))
     kv_reader = KVEventReader(args.redis_url, args.cluster) if args.redis_url else None
     builder = kv_reader.route_request if kv_reader is not None else plain_route_request
-    backend = ClusterBackend(reader.snapshot, make_policy(args.policy).choose, args.ticket_timeout,
+    if args.policy == "cache_aware":
+        policy = CacheAware(CacheAwareWeights(queued_token=args.prefill_queue_weight))
+    else:
+        policy = make_policy(args.policy)
+    backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
                              admission=admission, route_request=builder)
     backend.kv_reader = kv_reader
     service = RouterService(tokenizer, backend, name, max_model_len)

@@ -126,6 +126,8 @@ class ClusterBackend:
         self.last_decision: RouteDecision | None = None
         self.kv_reader = None
         """The router's KVEventReader when it has one (started and closed by its owner)."""
+        self._prefill_tokens: dict[str, tuple[str, int]] = {}
+        """request id -> (prefill worker, uncached prompt tokens) for prefills in flight."""
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -155,7 +157,10 @@ class ClusterBackend:
             route = self._route_info(admitted, queue_s, None)
             path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
             if path == PATH_DISAGGREGATED:
-                first = await self._prefill_or_fall_back(request, admitted)
+                try:
+                    first = await self._prefill_or_fall_back(request, admitted)
+                finally:
+                    self._prefill_tokens.pop(request.request_id, None)
                 if first is None:  # every prefill worker failed: this decode worker prefills
                     admitted = await self._admit_local(request, admitted)
                     path, route = PATH_COLOCATED, self._route_info(admitted, queue_s, "prefill_failed")
@@ -176,6 +181,7 @@ class ClusterBackend:
         except grpc.aio.AioRpcError as exc:
             raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
         finally:
+            self._prefill_tokens.pop(request.request_id, None)
             placement = self._placements.get(request.request_id)
             if not finished:
                 await self.abort(request.request_id)
@@ -190,7 +196,7 @@ class ClusterBackend:
 
     async def _try_admit(self, request: BackendRequest) -> _Admitted | None:
         """One admission attempt on a fresh snapshot; None when no decode worker has room."""
-        snapshot = await self._snapshot()
+        snapshot = self._with_own_load(await self._snapshot())
         route = self._route_request(request.prompt_token_ids, request.params.max_tokens, snapshot)
         decision = self._choose(route, snapshot, self._rng)
         if decision is None:
@@ -202,7 +208,33 @@ class ClusterBackend:
         admitted = await self._admit(request, snapshot, decision, local)
         if admitted is not None:
             self.decisions[(decision.prefill_id or "-", admitted.decode_id)] += 1
+            self._note_sent(request, route, admitted)
         return admitted
+
+    def _note_sent(self, request: BackendRequest, route: RouteRequest, admitted: _Admitted) -> None:
+        """Count the prefill this router just sent (until it returns) and expect both workers
+        to cache the prompt, so the next requests see them before heartbeats and events do."""
+        prefill_id = admitted.decision.prefill_id
+        if prefill_id is not None:
+            info = admitted.snapshot.by_id(prefill_id)
+            cached = route.cached_for(prefill_id) * (info.block_size if info else 0)
+            self._prefill_tokens[request.request_id] = (prefill_id, max(len(request.prompt_token_ids) - cached, 0))
+        if self.kv_reader is not None:
+            for worker_id in filter(None, (prefill_id, admitted.decode_id)):
+                self.kv_reader.note_routed(worker_id, request.prompt_token_ids, admitted.snapshot)
+
+    def _with_own_load(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        """The snapshot with each prefill worker's queue at least the prefill tokens this
+        router has sent it and not seen back (heartbeats are up to an interval old)."""
+        own: Counter[str] = Counter()
+        for worker_id, tokens in self._prefill_tokens.values():
+            own[worker_id] += tokens
+        if not own:
+            return snapshot
+        workers = tuple(
+            replace(w, queued_prefill_tokens=max(w.queued_prefill_tokens, own[w.worker_id]))
+            if own[w.worker_id] else w for w in snapshot.workers)
+        return ClusterSnapshot(workers=workers, taken_at=snapshot.taken_at, stale=snapshot.stale)
 
     async def _admit(self, request: BackendRequest, snapshot: ClusterSnapshot, decision: RouteDecision,
                      local: bool) -> _Admitted | None:

@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 
 from router.cluster_keys import ClusterSnapshot, kv_events_key
 from router.policy import RouteRequest
-from router.prefix_index import BlockEvent, PrefixIndex, route_request
+from router.prefix_index import BlockEvent, PrefixIndex, prompt_block_hashes, route_request
 
 __all__ = ["KVEventReader"]
 
@@ -194,6 +194,17 @@ class KVEventReader:
         """prune(snapshot), then the RouteRequest with each worker's cached leading blocks."""
         self.prune(snapshot)
         return route_request(prompt_token_ids, max_tokens, snapshot, self.index)
+
+    def note_routed(self, worker_id: str, prompt_token_ids: Sequence[int], snapshot: ClusterSnapshot) -> None:
+        """Expect `worker_id` to hold the prompt's full blocks soon: a request was just sent
+        there. Requests with the same prefix that arrive before the worker's own events then
+        follow it (an optimistic entry; the worker's evictions and snapshots correct it)."""
+        info = snapshot.by_id(worker_id)
+        if info is None:
+            return
+        hashes = tuple(prompt_block_hashes(prompt_token_ids, info.block_size))
+        if hashes:
+            self.index.apply(BlockEvent(worker_id, info.incarnation, "stored", hashes))
 
     async def aclose(self) -> None:
         """Stop the task (if started) and close the client. Idempotent."""

@@ -35,6 +35,7 @@ __all__ = [
     "BlockEvent",
     "EventKind",
     "PrefixIndex",
+    "prompt_block_hashes",
     "route_request",
 ]
 
@@ -295,7 +296,7 @@ class PrefixIndex:
             del self._holders[block_hash]
 
 
-def _chain(token_ids: Sequence[int], block_size: int) -> Iterator[BlockHash]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[BlockHash]:
     """hash_full_blocks, lazily: match() stops hashing at the first block nobody holds."""
     parent = ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -316,7 +317,7 @@ def route_request(
     held = index.workers()
     cached: dict[str, int] = {}
     for block_size in sorted({w.block_size for w in snapshot.workers}):
-        matched = index.match(_chain(prompt_token_ids, block_size))
+        matched = index.match(prompt_block_hashes(prompt_token_ids, block_size))
         for w in snapshot.workers:
             count = matched.get(w.worker_id, 0)
             if w.block_size == block_size and count and held.get(w.worker_id) == w.incarnation:
