@@ -22,6 +22,8 @@ FORBIDDEN = ("torch.cuda", "cupy", "grpc", "redis", "ray", "httpx")
 PURE_MODULES = (
     "engine.kv_cache",
     "engine.request",
+    "engine.scheduler",
+    "engine.scheduler_types",
     "engine.sampling_params",
     "engine.capacity",
     "engine.config",
@@ -33,6 +35,7 @@ PURE_FILES = sorted(
     {
         *(REPO / "engine" / "kv_cache").glob("*.py"),
         REPO / "engine" / "scheduler.py",
+        REPO / "engine" / "scheduler_types.py",
         REPO / "engine" / "request.py",
         REPO / "engine" / "sampling_params.py",
         REPO / "engine" / "capacity.py",
