@@ -112,6 +112,9 @@ class EngineCore:
             swap_caches,
         )
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.stalled = False
+        """The last step had work but could schedule none of it (e.g. every free block is
+        reserved for KV in flight): the caller should wait for a change, not spin."""
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             hold_finished_blocks=hold_finished_blocks, swap=SwapPool(num_swap_blocks),
@@ -137,7 +140,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_ids and not plan.has_copies:
+        self.stalled = plan.is_empty and not plan.finished_ids and not plan.has_copies
+        if self.stalled:
             return []
         result = self.runner.execute(plan)
         return self.scheduler.update(plan, result)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.model.rope import rope_tables
 from engine.model.spec import ModelSpec
 from engine.sampler import Sampler, SamplingRow
@@ -160,21 +160,7 @@ class ModelRunner:
         return table[pos // bs] * bs + pos % bs
 
     def _metadata(self, decodes, prefills, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        decode_index = decode_slots = decode_mask = None
-        if decodes:
-            context = [w.start_position + 1 for w in decodes]
-            max_context = max(context)
-            max_blocks = -(-max_context // self.block_size)
-            tables = torch.tensor(
-                [list(w.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(w.block_ids), max_blocks)) for w in decodes],
-                dtype=torch.int64, device=self.device,
-            )
-            pos = torch.arange(max_context, device=self.device)
-            decode_slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-            decode_index = torch.arange(len(decodes), device=self.device)
-            if min(context) != max_context:
-                lengths = torch.tensor(context, device=self.device)
-                decode_mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
+        groups = self._decode_groups(decodes)
         spans = []
         start = len(decodes)
         for work in prefills:
@@ -186,4 +172,29 @@ class ModelRunner:
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
             spans.append(PrefillSpan(start, end, self._context_slots(work, context_len), mask))
             start = end
-        return AttentionMetadata(slot_mapping, decode_index, decode_slots, decode_mask, tuple(spans))
+        return AttentionMetadata(slot_mapping, groups, tuple(spans))
+
+    def _decode_groups(self, decodes) -> tuple[DecodeGroup, ...]:
+        """Decodes (token i of the step is decode i) grouped by the power of two just above
+        their block count, so each group pads a context to at most twice its blocks: one
+        long context no longer makes every short one in the batch attend over its length."""
+        bs = self.block_size
+        by_size: dict[int, list[int]] = {}
+        for i, work in enumerate(decodes):
+            blocks = -(-(work.start_position + 1) // bs)
+            by_size.setdefault((blocks - 1).bit_length(), []).append(i)
+        groups = []
+        for members in by_size.values():
+            contexts = [decodes[i].start_position + 1 for i in members]
+            max_blocks = -(-max(contexts) // bs)
+            tables = torch.tensor(
+                [list(decodes[i].block_ids[:max_blocks]) + [0] * (max_blocks - min(len(decodes[i].block_ids), max_blocks))
+                 for i in members], dtype=torch.int64, device=self.device)
+            lens = torch.tensor(contexts, dtype=torch.int64, device=self.device)
+            mask = None
+            if min(contexts) != max_blocks * bs:
+                pos = torch.arange(max_blocks * bs, device=self.device)
+                mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+            index = torch.tensor(members, dtype=torch.int64, device=self.device)
+            groups.append(DecodeGroup(index, tables, lens, mask))
+        return tuple(groups)

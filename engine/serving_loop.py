@@ -81,11 +81,12 @@ class ServingLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.core.has_work
+            busy = self.core.has_work and not self.core.stalled
             try:
-                # Block for a command only when there is nothing to step; poll hooks need
-                # a short timeout so transfers and deadlines progress while idle.
-                command = self._commands.get(timeout=None if busy else 0.005) if not busy else None
+                # Wait for a command only when there is nothing to step (or the last step could
+                # schedule nothing: only a command, a transfer or a deadline can change that);
+                # poll hooks need the short timeout so transfers and deadlines progress.
+                command = None if busy else self._commands.get(timeout=0.005)
             except queue.Empty:
                 command = None
             if command is not None:

@@ -16,13 +16,11 @@ from engine.kernels.blocks import (
     store_kv,
     unpack_blocks,
 )
-from engine.kernels.metadata import decode_block_tables
 from engine.kernels.paged_attention import paged_decode_attention
 
 __all__ = [
     "block_checksum",
     "block_checksum_blocks",
-    "decode_block_tables",
     "pack_blocks",
     "paged_decode_attention",
     "store_kv",

@@ -25,13 +25,22 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token queries whose contexts span a similar number of blocks (the runner groups
+    them so padding at most doubles a query's work), attended as one batch over whole blocks."""
+
+    index: torch.Tensor  # [m] int64: token index of each query in the step
+    block_tables: torch.Tensor  # [m, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [m] int64: tokens each query attends to
+    mask: torch.Tensor | None  # [m, 1, 1, max_blocks * block_size] bool; None if nothing is padded
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token's K/V goes and what each query reads, for one step."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * block_size + offset)
-    decode_index: torch.Tensor | None  # [num_decodes] int64: token index of each single-token query
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64, padded with slot 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, None if no padding
+    decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -81,26 +90,36 @@ def paged_attention(
 
     Reads K/V from the cache only (write_kv must have run for this step's tokens).
     """
-    flat = _flat(kv_cache)
-    cache_dtype = kv_cache.dtype
     out = torch.empty_like(q)
-    if meta.decode_index is not None:
-        assert meta.decode_slots is not None, "decode_index without decode_slots"
+    for group in meta.decodes:
         if _use_kernels(q, kv_cache) and q.shape[-1] <= 256:
-            from engine.kernels import decode_block_tables, paged_decode_attention
+            from engine.kernels import paged_decode_attention
 
-            tables, lengths = decode_block_tables(meta.decode_slots, meta.decode_mask, kv_cache.shape[2])
-            out[meta.decode_index] = paged_decode_attention(q[meta.decode_index], kv_cache, tables, lengths, scale)
-            return _prefills(q, flat, cache_dtype, meta, scale, out)
-        # [num_decodes, num_kv_heads, max_context, head_dim]
-        k = _from_cache(flat[0][meta.decode_slots], cache_dtype, q.dtype).transpose(1, 2)
-        v = _from_cache(flat[1][meta.decode_slots], cache_dtype, q.dtype).transpose(1, 2)
-        qd = q[meta.decode_index].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[meta.decode_index] = o.squeeze(2)
-    return _prefills(q, flat, cache_dtype, meta, scale, out)
+            out[group.index] = paged_decode_attention(
+                q[group.index], kv_cache, group.block_tables.to(torch.int32), group.context_lens.to(torch.int32),
+                scale)
+        else:
+            out[group.index] = _decode_group(q, kv_cache, group, scale)
+    return _prefills(q, _flat(kv_cache), kv_cache.dtype, meta, scale, out)
+
+
+def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    """Torch path: gather the group's blocks whole (one index per block, not per token), then
+    one SDPA call. On CPU it computes in float32: CPU SDPA in bfloat16 is several times slower
+    than converting, and more exact."""
+    blocks = kv_cache.view(torch.uint8) if kv_cache.dtype in _FP8 else kv_cache
+    m, max_blocks = group.block_tables.shape
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+
+    def gather(i: int) -> torch.Tensor:  # [m, num_kv_heads, max_blocks * block_size, head_dim]
+        x = blocks[i][group.block_tables].view(m, max_blocks * block_size, num_kv_heads, head_dim)
+        return _from_cache(x, kv_cache.dtype, compute).transpose(1, 2)
+
+    qd = q[group.index].to(compute).unsqueeze(2)  # [m, num_heads, 1, head_dim]
+    o = F.scaled_dot_product_attention(qd, gather(0), gather(1), attn_mask=group.mask, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2).to(q.dtype)
 
 
 def _prefills(q, flat, cache_dtype, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:

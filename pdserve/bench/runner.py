@@ -62,7 +62,10 @@ async def run_benchmark(settings: RunSettings, requests: list[SampleRequest]) ->
     request; raises ValueError for bad settings."""
     offsets = arrival_offsets(len(requests), settings.request_rate, settings.burstiness, settings.seed)
     limit = settings.max_concurrency
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    # Idle connections are dropped well before servers close them (llama-server and uvicorn
+    # close after 5 s): reusing one the server is closing fails the request with
+    # "Server disconnected without sending a response", a client artefact, not a server fault.
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
         if settings.num_warmups:
             await asyncio.gather(*(send_request(client, settings.endpoint, requests[0])

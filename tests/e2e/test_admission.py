@@ -209,7 +209,12 @@ def test_requests_keep_succeeding_while_redis_is_down_and_the_view_catches_up_af
         return httpx.post(f"{cluster.base_url}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": _prompt(i, 40), "max_tokens": 4, "temperature": 0})
 
-    assert complete(100).status_code == 200
+    first = complete(100)
+    assert first.status_code == 200
+    # Where it went and why, in one header: the workers, the queue wait, the policy's inputs.
+    route = first.headers["x-pdserve-route"]
+    assert route.startswith("decode=decode-0; prefill=prefill-0; queue_ms="), route
+    assert "prefill_uncached_tokens=" in route and "decode_headroom_blocks=" in route, route
     redis_server.kill()
     try:
         for i in range(101, 104):

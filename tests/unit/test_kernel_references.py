@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import blocks, decode_block_tables, paged_attention
+from engine.kernels import blocks, paged_attention
 from engine.kernels.paged_attention import plan
 from engine.kernels.reference import (
     block_checksum_ref,
@@ -17,7 +17,7 @@ from engine.kernels.reference import (
     store_kv_ref,
     unpack_blocks_ref,
 )
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, DecodeGroup
 from engine.model.attention import paged_attention as engine_paged_attention
 from kv_transfer.packing import pack_blocks as transfer_pack_blocks
 
@@ -73,35 +73,18 @@ def test_paged_decode_attention_ref_gives_zeros_for_an_empty_context():
     assert not out[1].isnan().any()
 
 
-def test_decode_block_tables_recovers_the_runners_tables_and_lengths():
-    block_size = 4
-    tables = torch.tensor([[7, 2, 9], [5, 0, 0]])  # the runner pads with block 0
-    lengths = torch.tensor([10, 3])
-    pos = torch.arange(10)
-    slots = tables[:, pos // block_size] * block_size + pos % block_size
-    mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
-    got_tables, got_lens = decode_block_tables(slots, mask, block_size)
-    assert got_tables.tolist() == [[7, 2, 9], [5, 0, 0]]
-    assert got_tables.dtype == torch.int32 and got_lens.dtype == torch.int32
-    assert got_lens.tolist() == [10, 3]
-    _, full = decode_block_tables(slots, None, block_size)
-    assert full.tolist() == [10, 10]
-
-
 def test_paged_decode_attention_ref_matches_the_engines_cpu_attention():
     contexts, block_size = [9, 23, 16], 8
     cache, tables, _ = scattered_cache(contexts, 2, 16, block_size, 20, seed=3)
     cache = torch.nan_to_num(cache).float()  # the engine's path reads padding slots (masked)
     q = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(4))
-    max_context = max(contexts)
-    pos = torch.arange(max_context)
-    slots = tables.long()[:, pos // block_size] * block_size + pos % block_size
     lengths = torch.tensor(contexts)
+    pos = torch.arange(tables.shape[1] * block_size)
     mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
-    meta = AttentionMetadata(torch.zeros(3, dtype=torch.int64), torch.arange(3), slots, mask, ())
+    group = DecodeGroup(torch.arange(3), tables.long(), lengths, mask)
+    meta = AttentionMetadata(torch.zeros(3, dtype=torch.int64), (group,), ())
     expected = engine_paged_attention(q, cache, meta, 0.25)
-    got_tables, got_lens = decode_block_tables(slots, mask, block_size)
-    out = paged_decode_attention_ref(q, cache, got_tables, got_lens, 0.25)
+    out = paged_decode_attention_ref(q, cache, tables, lengths.to(torch.int32), 0.25)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
