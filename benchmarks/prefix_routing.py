@@ -95,7 +95,7 @@ def ideal_hit_rate(work: Workload) -> float:
 class Cluster:
     """Embedded Redis, 2 prefill workers, 1 decode worker and a router, as processes."""
 
-    def __init__(self, policy: str, prefill_blocks: int, workdir: Path, queue_weight: float = 1.0) -> None:
+    def __init__(self, policy: str, prefill_blocks: int, workdir: Path, queue_weight: float = 0.5) -> None:
         self.policy = policy
         self.queue_weight = queue_weight
         self.prefill_blocks = prefill_blocks
@@ -274,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV blocks per prefill worker (330 x 16 tokens: 5 system prompts)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--queue-weight", type=float, default=1.0, help="the router's --prefill-queue-weight")
+    p.add_argument("--queue-weight", type=float, default=0.5, help="the router's --prefill-queue-weight")
     p.add_argument("--policies", default="cache_aware,round_robin")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 requests per prompt, nothing recorded")
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")

@@ -27,7 +27,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
-    g.add_argument("--prefill-queue-weight", type=float, default=1.0,
+    g.add_argument("--prefill-queue-weight", type=float, default=0.5,
                    help="cache_aware: cost of one queued prefill token relative to one uncached prompt token")
     g.add_argument("--ticket-timeout", type=float, default=60.0)
     g.add_argument("--max-queued-requests", type=int, default=256,

@@ -75,7 +75,7 @@ def test_registry_knows_every_policy_and_lists_them_for_an_unknown_name():
     assert POLICIES.names() == ["cache_aware", "least_loaded", "round_robin"]
     assert isinstance(make_policy("least_loaded"), LeastLoaded)
     assert isinstance(make_policy("cache_aware"), CacheAware)
-    assert make_policy("cache_aware").weights == CacheAwareWeights(1.0, 1.0)
+    assert make_policy("cache_aware").weights == CacheAwareWeights(1.0, 0.5)
     with pytest.raises(KeyError) as info:
         make_policy("random")
     assert info.value.args[0] == (
@@ -261,13 +261,13 @@ def test_route_request_rejects_bad_cached_blocks():
 
 
 @pytest.mark.parametrize(
-    ("queued", "chosen"), [(0, "p_hot"), (959, "p_hot"), (960, "p_idle"), (961, "p_idle")]
+    ("queued", "chosen"), [(0, "p_hot"), (1919, "p_hot"), (1920, "p_idle"), (1921, "p_idle")]
 )
-def test_the_worker_holding_60_of_63_blocks_wins_over_an_idle_one_until_its_queue_reaches_960(
+def test_the_worker_holding_60_of_63_blocks_wins_over_an_idle_one_until_its_queue_reaches_1920(
     queued, chosen
 ):
-    # hot: 48 tokens to compute + queued; idle: 1008 to compute. At 960 the costs tie and the
-    # idle worker wins on fewer running requests.
+    # hot: 48 tokens to compute + 0.5 x queued; idle: 1008 to compute. At 1920 queued the costs
+    # tie and the idle worker wins on fewer running requests.
     snap = snapshot(
         worker("p_hot", "prefill", queued_prefill_tokens=queued, num_running=1),
         worker("p_idle", "prefill"),
@@ -289,7 +289,7 @@ def test_cache_aware_explains_its_choice_with_every_number_it_used():
         prefill_id="p_hot",
         decode_id="d1",
         reason=(
-            "cache_aware: prefill p_hot (lowest cost 148: 60/63 blocks cached, 48 tokens to "
+            "cache_aware: prefill p_hot (lowest cost 98: 60/63 blocks cached, 48 tokens to "
             "compute, 100 queued), decode d1 (most room: 17 blocks left after 43 new, 20 cached)"
         ),
         inputs=(
@@ -306,9 +306,9 @@ def test_cache_aware_explains_its_choice_with_every_number_it_used():
             ("prefill_uncached_tokens", 48.0),
             ("prefill_queued_tokens", 100.0),
             ("prefill_running", 2.0),
-            ("prefill_cost", 148.0),
+            ("prefill_cost", 98.0),
             ("weight_uncached_token", 1.0),
-            ("weight_queued_token", 1.0),
+            ("weight_queued_token", 0.5),
         ),
     )
 
