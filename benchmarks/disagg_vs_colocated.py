@@ -86,11 +86,19 @@ class Layout:
 
     name: str
     workers: tuple[tuple[str, str, int], ...]
+    router_flags: tuple[str, ...] = ()
+
+
+LOCAL_PREFILL = ("--local-prefill-max-tokens", "256", "--local-prefill-min-queue", "1024")
+"""The conditional-disaggregation variant: prompts of <= 256 tokens are prefilled on the decode
+worker while the prefill worker has >= 1024 tokens queued."""
 
 
 def layouts() -> list[Layout]:
     a, b = pinned_cores(2)
-    return [Layout("disaggregated", (("prefill", str(a), 1), ("decode", str(b), 1))),
+    disaggregated = (("prefill", str(a), 1), ("decode", str(b), 1))
+    return [Layout("disaggregated", disaggregated),
+            Layout("disaggregated+local", disaggregated, LOCAL_PREFILL),
             Layout("colocated", (("decode", f"{a},{b}", 2),))]
 
 
@@ -108,7 +116,7 @@ def start_setup(procs: Processes, layout: Layout, redis_url: str, engine_flags: 
     port, ready = free_port(), procs.workdir / f"{layout.name}-router.ready"
     router = procs.start(f"{layout.name}-router", pdserve_command(
         "router", "--host", HOST, "--port", str(port), "--grpc-port", "0", "--ready-file", str(ready),
-        "--max-model-len", str(MAX_MODEL_LEN), *cluster))
+        "--max-model-len", str(MAX_MODEL_LEN), *cluster, *layout.router_flags))
     base_url = f"http://{HOST}:{port}"
     wait_until(lambda: ready.exists() and http_ok(base_url + "/health"), router, 120, "ready router")
     return Server(layout.name, base_url, router)
@@ -190,26 +198,32 @@ def rows(results: dict[str, Phases]) -> tuple[list[str], list[list[object]]]:
 
 
 def goal_lines(results: dict[str, Phases]) -> list[str]:
-    dis, col = results["disaggregated"], results["colocated"]
-    itl = quotient(value(dis.bursts_short, "p99_itl_ms"), value(dis.steady, "p99_itl_ms"))
+    col = results["colocated"]
     col_itl = quotient(value(col.bursts_short, "p99_itl_ms"), value(col.steady, "p99_itl_ms"))
-    good = quotient(value(dis.bursts_short, "request_goodput"), value(col.bursts_short, "request_goodput"))
     met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
-    return [
-        f"- goal disaggregated ITL p99 with bursts <= {ITL_GOAL}x steady: {itl:.2f}x -> {met(itl <= ITL_GOAL)} "
-        f"(colocated: {col_itl:.2f}x)",
-        f"- goal goodput with bursts disaggregated >= {GOODPUT_GOAL}x colocated: {good:.2f}x -> "
-        f"{met(good >= GOODPUT_GOAL)}",
-        f"- steady goodput disaggregated / colocated: "
-        f"{quotient(value(dis.steady, 'request_goodput'), value(col.steady, 'request_goodput')):.2f}x; "
-        f"short-chat output tok/s with bursts: disaggregated {value(dis.bursts_short, 'output_throughput'):.1f}, "
-        f"colocated {value(col.bursts_short, 'output_throughput'):.1f}",
-    ]
+    lines = []
+    for name in (n for n in results if n.startswith("disaggregated")):
+        dis = results[name]
+        itl = quotient(value(dis.bursts_short, "p99_itl_ms"), value(dis.steady, "p99_itl_ms"))
+        good = quotient(value(dis.bursts_short, "request_goodput"), value(col.bursts_short, "request_goodput"))
+        lines += [
+            f"- goal {name} ITL p99 with bursts <= {ITL_GOAL}x steady: {itl:.2f}x -> {met(itl <= ITL_GOAL)} "
+            f"(colocated: {col_itl:.2f}x)",
+            f"- goal goodput with bursts {name} >= {GOODPUT_GOAL}x colocated: {good:.2f}x -> "
+            f"{met(good >= GOODPUT_GOAL)}",
+            f"- {name}: steady goodput / colocated "
+            f"{quotient(value(dis.steady, 'request_goodput'), value(col.steady, 'request_goodput')):.2f}x; "
+            f"short-chat output tok/s with bursts {value(dis.bursts_short, 'output_throughput'):.1f} "
+            f"(colocated {value(col.bursts_short, 'output_throughput'):.1f})",
+        ]
+    return lines
 
 
 def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], all_layouts: list[Layout]) -> list[str]:
     setups = "; ".join(f"{lay.name}: " + ", ".join(f"{role} on core(s) {cores} with {threads} thread(s)"
-                                                     for role, cores, threads in lay.workers) for lay in all_layouts)
+                                                     for role, cores, threads in lay.workers)
+                       + (f" (router `{' '.join(lay.router_flags)}`)" if lay.router_flags else "")
+                       for lay in all_layouts)
     return [
         f"- setups: {setups}; router, Redis and bench clients unpinned; engine flags `{' '.join(engine_flags)}`",
         *load.describe(),

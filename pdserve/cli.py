@@ -129,6 +129,10 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                    help="router: requests that may wait for decode room at once (more: 503)")
     g.add_argument("--max-queue-wait", type=float, default=30.0,
                    help="router: seconds a request may wait for decode room (then 503)")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="router: prefill prompts this short on the decode worker when the prefill worker "
+                        "has --local-prefill-min-queue tokens queued (0: never)")
+    g.add_argument("--local-prefill-min-queue", type=int, default=1024)
     g.add_argument("--policy", default="cache_aware",
                    help="routing policy (cache_aware, least_loaded, round_robin)")
     add_engine_args(up)

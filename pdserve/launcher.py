@@ -109,6 +109,8 @@ class LocalCluster:
                "--policy", self.args.policy,
                "--max-queued-requests", str(self.args.max_queued_requests),
                "--max-queue-wait", str(self.args.max_queue_wait),
+               "--local-prefill-max-tokens", str(self.args.local_prefill_max_tokens),
+               "--local-prefill-min-queue", str(self.args.local_prefill_min_queue),
                "--log-level", self.args.log_level]
         for name in ("model", "tokenizer", "served_model_name", "max_model_len"):
             value = getattr(self.args, name, None)

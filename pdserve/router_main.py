@@ -29,6 +29,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--prefill-queue-weight", type=float, default=0.5,
                    help="cache_aware: cost of one queued prefill token relative to one uncached prompt token")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="conditional disaggregation: prefill prompts of at most this many uncached tokens on "
+                        "the decode worker when the prefill worker is backed up (0: never)")
+    g.add_argument("--local-prefill-min-queue", type=int, default=1024,
+                   help="... backed up = at least this many prompt tokens queued on the chosen prefill worker")
     g.add_argument("--ticket-timeout", type=float, default=60.0)
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests that may wait for decode room at once; more get 503 + Retry-After")
@@ -57,6 +62,7 @@ def build_service(args: argparse.Namespace):
     from router.cluster_metrics import ClusterCollector
     from router.cluster_state import ClusterStateReader
     from router.kv_event_reader import KVEventReader
+    from router.local_prefill import LocalPrefillRule, WithLocalPrefill
     from router.policy import CacheAware, CacheAwareWeights, make_policy
     from router.service import RouterService
 
@@ -74,6 +80,8 @@ def build_service(args: argparse.Namespace):
         policy = CacheAware(CacheAwareWeights(queued_token=args.prefill_queue_weight))
     else:
         policy = make_policy(args.policy)
+    if args.local_prefill_max_tokens:
+        policy = WithLocalPrefill(policy, LocalPrefillRule(args.local_prefill_max_tokens, args.local_prefill_min_queue))
     backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
                              admission=admission, route_request=builder)
     backend.kv_reader = kv_reader

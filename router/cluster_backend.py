@@ -208,6 +208,8 @@ class ClusterBackend:
         admitted = await self._admit(request, snapshot, decision, local)
         if admitted is not None:
             self.decisions[(decision.prefill_id or "-", admitted.decode_id)] += 1
+            if local and snapshot.prefill_workers():
+                self.fallbacks["local_prefill"] += 1  # conditional disaggregation: counted, not silent
             self._note_sent(request, route, admitted)
         return admitted
 

@@ -29,6 +29,7 @@ PURE_MODULES = (
     "engine.config",
     "engine.registry",
     "router.prefix_index",
+    "router.local_prefill",
 )
 
 PURE_FILES = sorted(
@@ -42,6 +43,7 @@ PURE_FILES = sorted(
         REPO / "engine" / "config.py",
         REPO / "engine" / "registry.py",
         REPO / "router" / "prefix_index.py",
+        REPO / "router" / "local_prefill.py",
     }
 )
 
