@@ -82,6 +82,7 @@ class KVEventReader:
         self.last_id: bytes = b"0"
         """Id of the last entry read; b"0" reads the stream from its beginning."""
         self.caught_up = False
+        self._closing = False
         """True once a read returned less than a full batch (the replay at start is done)."""
         self.events_applied = 0
         """Entries applied to the index."""
@@ -110,8 +111,10 @@ class KVEventReader:
         return self._task
 
     async def run(self) -> None:
-        """Read until cancelled; never raises for Redis trouble or bad entries."""
-        while True:
+        """Read until cancelled or closed; never raises for Redis trouble or bad entries."""
+        # The flag, not only the cancellation, ends the loop: a redis client cancelled inside a
+        # blocking read can swallow the CancelledError, and the loop must still stop.
+        while not self._closing:
             try:
                 if self.consecutive_failures:
                     await self._restart_if_reset()
@@ -206,13 +209,20 @@ class KVEventReader:
         if hashes:
             self.index.apply(BlockEvent(worker_id, info.incarnation, "stored", hashes))
 
+    CLOSE_TIMEOUT_S = 2.0
+    """Bound on each shutdown step: a Redis client cancelled mid-read must not hang shutdown."""
+
     async def aclose(self) -> None:
-        """Stop the task (if started) and close the client. Idempotent."""
+        """Stop the task (if started) and close the client, each within CLOSE_TIMEOUT_S.
+        Idempotent; never raises for a task or client that will not stop in time."""
+        self._closing = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        await self._client.aclose()
+            done, _ = await asyncio.wait({task}, timeout=self.CLOSE_TIMEOUT_S)
+            if not done:
+                logger.warning("block-event reader did not stop within %g s", self.CLOSE_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(self._client.aclose(), self.CLOSE_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError) as exc:
+            logger.info("closing the block-event reader's Redis client: %s", type(exc).__name__)
