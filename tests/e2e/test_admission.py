@@ -6,7 +6,9 @@ while serving."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -235,3 +237,30 @@ def test_requests_keep_succeeding_while_redis_is_down_and_the_view_catches_up_af
         time.sleep(0.1)
     assert complete(105).status_code == 200
     _wait_all_blocks_free(cluster)
+
+
+def test_with_every_prefill_worker_gone_the_decode_worker_prefills_and_answers_the_same(cluster):
+    # Runs last in this module: it kills the only prefill worker.
+    def complete() -> httpx.Response:
+        return httpx.post(f"{cluster.base_url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": _prompt(7, 60), "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+    before = complete()
+    assert before.status_code == 200 and before.headers["x-pdserve-path"] == "disaggregated"
+    os.kill(cluster.worker_pid("prefill-0"), signal.SIGKILL)
+    # Within the heartbeat TTL the router still lists prefill-0: its Prefill call fails, and the
+    # decode worker that holds the reservation prefills the prompt itself.
+    after = complete()
+    assert after.status_code == 200, after.text
+    assert after.headers["x-pdserve-path"] == "colocated"
+    assert "fallback=prefill_failed" in after.headers["x-pdserve-route"]
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert _metric(cluster.metrics(), "pdserve_path_fallbacks_total", reason="prefill_failed") == 1
+    _wait_all_blocks_free_on(cluster, "decode-0")
+
+
+def _wait_all_blocks_free_on(cluster, worker_id: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _metric(cluster.metrics(worker_id), "vllm:kv_cache_usage_perc") != 0.0:
+        assert time.monotonic() < deadline, f"{worker_id} still holds blocks"
+        time.sleep(0.5)
