@@ -58,6 +58,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the request's first full blocks, filled in by the KV manager as it
+    needs them; valid forever, because tokens are only ever appended."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -125,16 +125,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default="default")
     g.add_argument("--kv-transfer", default="gloo")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="router: requests that may wait for decode room at once (more: 503)")
-    g.add_argument("--max-queue-wait", type=float, default=30.0,
-                   help="router: seconds a request may wait for decode room (then 503)")
-    g.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                   help="router: prefill prompts this short on the decode worker when the prefill worker "
-                        "has --local-prefill-min-queue tokens queued (0: never)")
-    g.add_argument("--local-prefill-min-queue", type=int, default=1024)
-    g.add_argument("--policy", default="cache_aware",
-                   help="routing policy (cache_aware, least_loaded, round_robin)")
+    from pdserve.router_main import add_routing_args
+
+    add_routing_args(up.add_argument_group("routing and admission"))
     add_engine_args(up)
 
 

@@ -44,6 +44,16 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def routing_flags(args: argparse.Namespace) -> list[str]:
+    """The router's routing/admission flags, as `pdserve up` was given them."""
+    from pdserve.router_main import ROUTING_FLAGS
+
+    flags: list[str] = []
+    for name in ROUTING_FLAGS:
+        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return flags
+
+
 @dataclass
 class Child:
     name: str
@@ -106,11 +116,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "pdserve", "router", "--host", self.args.host,
                "--port", str(self.args.port), "--grpc-port", str(self.args.grpc_port),
                "--redis-url", redis_url, "--cluster", self.args.cluster, "--ready-file", str(ready),
-               "--policy", self.args.policy,
-               "--max-queued-requests", str(self.args.max_queued_requests),
-               "--max-queue-wait", str(self.args.max_queue_wait),
-               "--local-prefill-max-tokens", str(self.args.local_prefill_max_tokens),
-               "--local-prefill-min-queue", str(self.args.local_prefill_min_queue),
+               *routing_flags(self.args),
                "--log-level", self.args.log_level]
         for name in ("model", "tokenizer", "served_model_name", "max_model_len"):
             value = getattr(self.args, name, None)

@@ -19,14 +19,26 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
     g.add_argument("--redis-url", default=None, help="cluster state written by the workers")
     g.add_argument("--cluster", default="default")
-    g.add_argument("--policy", default="cache_aware",
-                   help="routing policy (cache_aware, least_loaded, round_robin)")
     g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
+    g.add_argument("--ticket-timeout", type=float, default=60.0)
+    g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
+    add_routing_args(parser.add_argument_group("routing and admission"))
+
+
+ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "local_prefill_min_queue",
+                 "max_queued_requests", "max_queue_wait")
+"""The routing/admission arguments, which `pdserve up` also takes and passes to its router."""
+
+
+def add_routing_args(g) -> None:
+    """Routing policy and admission flags (shared by `pdserve router` and `pdserve up`)."""
+    g.add_argument("--policy", default="cache_aware",
+                   help="routing policy (cache_aware, least_loaded, round_robin)")
     g.add_argument("--prefill-queue-weight", type=float, default=0.5,
                    help="cache_aware: cost of one queued prefill token relative to one uncached prompt token")
     g.add_argument("--local-prefill-max-tokens", type=int, default=0,
@@ -34,12 +46,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         "the decode worker when the prefill worker is backed up (0: never)")
     g.add_argument("--local-prefill-min-queue", type=int, default=1024,
                    help="... backed up = at least this many prompt tokens queued on the chosen prefill worker")
-    g.add_argument("--ticket-timeout", type=float, default=60.0)
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests that may wait for decode room at once; more get 503 + Retry-After")
     g.add_argument("--max-queue-wait", type=float, default=30.0,
                    help="seconds a request may wait for decode room before 503 + Retry-After")
-    g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:

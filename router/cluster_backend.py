@@ -222,8 +222,8 @@ class ClusterBackend:
             cached = route.cached_for(prefill_id) * (info.block_size if info else 0)
             self._prefill_tokens[request.request_id] = (prefill_id, max(len(request.prompt_token_ids) - cached, 0))
         if self.kv_reader is not None:
-            for worker_id in filter(None, (prefill_id, admitted.decode_id)):
-                self.kv_reader.note_routed(worker_id, request.prompt_token_ids, admitted.snapshot)
+            workers = [w for w in (prefill_id, admitted.decode_id) if w is not None]
+            self.kv_reader.note_routed(workers, request.prompt_token_ids, admitted.snapshot)
 
     def _with_own_load(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
         """The snapshot with each prefill worker's queue at least the prefill tokens this

@@ -27,6 +27,7 @@ import redis.asyncio as aredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from engine.kv_cache.hashing import BlockHash
 from router.cluster_keys import ClusterSnapshot, kv_events_key
 from router.policy import RouteRequest
 from router.prefix_index import BlockEvent, PrefixIndex, prompt_block_hashes, route_request
@@ -198,16 +199,21 @@ class KVEventReader:
         self.prune(snapshot)
         return route_request(prompt_token_ids, max_tokens, snapshot, self.index)
 
-    def note_routed(self, worker_id: str, prompt_token_ids: Sequence[int], snapshot: ClusterSnapshot) -> None:
-        """Expect `worker_id` to hold the prompt's full blocks soon: a request was just sent
-        there. Requests with the same prefix that arrive before the worker's own events then
-        follow it (an optimistic entry; the worker's evictions and snapshots correct it)."""
-        info = snapshot.by_id(worker_id)
-        if info is None:
-            return
-        hashes = tuple(prompt_block_hashes(prompt_token_ids, info.block_size))
-        if hashes:
-            self.index.apply(BlockEvent(worker_id, info.incarnation, "stored", hashes))
+    def note_routed(self, worker_ids: Sequence[str], prompt_token_ids: Sequence[int],
+                    snapshot: ClusterSnapshot) -> None:
+        """Expect these workers to hold the prompt's full blocks soon: a request was just sent
+        there. Requests with the same prefix that arrive before the workers' own events then
+        follow it (an optimistic entry; the workers' evictions and snapshots correct it). The
+        prompt is hashed once per block size."""
+        by_size: dict[int, tuple[BlockHash, ...]] = {}
+        for worker_id in worker_ids:
+            info = snapshot.by_id(worker_id)
+            if info is None:
+                continue
+            if info.block_size not in by_size:
+                by_size[info.block_size] = tuple(prompt_block_hashes(prompt_token_ids, info.block_size))
+            if by_size[info.block_size]:
+                self.index.apply(BlockEvent(worker_id, info.incarnation, "stored", by_size[info.block_size]))
 
     CLOSE_TIMEOUT_S = 2.0
     """Bound on each shutdown step: a Redis client cancelled mid-read must not hang shutdown."""

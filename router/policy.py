@@ -178,6 +178,19 @@ def decode_headroom(worker: WorkerInfo, num_prompt_tokens: int, cached_blocks: i
     return worker.free_blocks - worker.reserved_blocks - needed
 
 
+def _pick_decode(
+    request: RouteRequest, decoders: Sequence[WorkerInfo], rng: random.Random
+) -> tuple[WorkerInfo, int]:
+    """(decode worker, its headroom): most blocks left after reserving the prompt's blocks less
+    those it already holds, then fewest running, then rng (drawn only on a full tie)."""
+
+    def headroom_of(w: WorkerInfo) -> int:
+        return decode_headroom(w, request.num_prompt_tokens, request.cached_for(w.worker_id))
+
+    decode = _pick_lowest(decoders, lambda w: (-headroom_of(w), w.num_running), rng)
+    return decode, headroom_of(decode)
+
+
 def least_loaded(
     request: RouteRequest, snapshot: ClusterSnapshot, rng: random.Random
 ) -> RouteDecision | None:
@@ -189,18 +202,13 @@ def least_loaded(
     if not decoders:
         return None
     n = request.num_prompt_tokens
-
-    def headroom_of(w: WorkerInfo) -> int:
-        return decode_headroom(w, n, request.cached_for(w.worker_id))
-
-    decode = _pick_lowest(decoders, lambda w: (-headroom_of(w), w.num_running), rng)
+    decode, headroom = _pick_decode(request, decoders, rng)
     prefillers = snapshot.prefill_workers()
     prefill = (
         _pick_lowest(prefillers, lambda w: (w.queued_prefill_tokens, w.num_running), rng)
         if prefillers
         else None
     )
-    headroom = headroom_of(decode)
     inputs: list[tuple[str, float]] = [
         ("prompt_blocks", float(prompt_blocks(n, decode.block_size))),
         ("decode_cached_blocks", float(request.cached_for(decode.worker_id))),
@@ -290,11 +298,7 @@ def cache_aware(
     if not decoders:
         return None
     n = request.num_prompt_tokens
-
-    def headroom_of(w: WorkerInfo) -> int:
-        return decode_headroom(w, n, request.cached_for(w.worker_id))
-
-    decode = _pick_lowest(decoders, lambda w: (-headroom_of(w), w.num_running), rng)
+    decode, headroom = _pick_decode(request, decoders, rng)
     prefillers = snapshot.prefill_workers()
     prefill = (
         _pick_lowest(
@@ -305,7 +309,6 @@ def cache_aware(
     )
     decode_cached = request.cached_for(decode.worker_id)
     needed = decode_blocks_needed(decode, n, decode_cached)
-    headroom = headroom_of(decode)
     inputs: list[tuple[str, float]] = [
         ("prompt_tokens", float(n)),
         ("decode_candidates", float(len(decoders))),

@@ -74,13 +74,10 @@ class KVCacheManager:
         """
         if not self.pool.enable_caching:
             return NO_HIT
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[Block] = []
-        parent = ROOT_HASH
-        for i in range(max_blocks):
-            parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
-            block = self.pool.lookup(parent)
+        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
@@ -119,12 +116,23 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
         if num_full <= len(hashes):
             return
-        tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else ROOT_HASH
+        block_hashes = self._block_hashes(request, num_full)
         for i in range(len(hashes), num_full):
-            parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
-            hashes.append(parent)
-            self.pool.cache(table[i], parent)
+            hashes.append(block_hashes[i])
+            self.pool.cache(table[i], block_hashes[i])
+
+    def _block_hashes(self, request: Request, count: int) -> list[BlockHash]:
+        """The request's block hashes, at least its first `count`, each computed once per
+        request: schedule attempts, reservations and load reports ask again and again."""
+        hashes = request.block_hashes
+        if len(hashes) < count:
+            tokens = request.all_token_ids
+            bs = self.block_size
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for j in range(len(hashes), count):
+                parent = hash_block(parent, tokens[j * bs : (j + 1) * bs])
+                hashes.append(parent)
+        return hashes
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (idempotent): last block first, so under LRU

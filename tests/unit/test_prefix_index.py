@@ -204,3 +204,15 @@ def test_route_request_ignores_entries_of_another_incarnation_than_the_heartbeat
     index.apply(event("d0", "stored", H, incarnation="old"))
     snap = snapshot(worker("d0", incarnation="new"))
     assert route_request(PROMPT, None, snap, index).cached_blocks == ()
+
+
+def test_a_routed_request_makes_its_workers_match_its_prompt_before_any_event():
+    from router.kv_event_reader import KVEventReader
+
+    reader = KVEventReader("redis://127.0.0.1:1/0", "test")  # no I/O: only the index is used
+    snap = snapshot(worker("p0", block_size=16), worker("d0", block_size=8), worker("p1"))
+    prompt = list(range(40))
+    reader.note_routed(["p0", "d0"], prompt, snap)
+    # p0 holds 2 blocks of 16, d0 5 blocks of 8 (each in its own block size); p1 nothing.
+    assert route_request(prompt, 4, snap, reader.index).cached_blocks == (("d0", 5), ("p0", 2))
+    assert reader.index.blocks_of("p0") == frozenset(hash_full_blocks(prompt, 16))
