@@ -170,6 +170,9 @@ class LocalCluster:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    # Ctrl-C must stop the cluster even when this process inherited SIGINT ignored (started in
+    # the background by a non-interactive shell, as `make run &` does).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cluster = LocalCluster(args)
     try:
         cluster.start()
