@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,7 @@ class LocalCluster:
                 child.process.wait(timeout=5)
         if self.redis is not None:
             self.redis.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)  # only the children's ready files
 
 
 def run_up(args: argparse.Namespace) -> int:
