@@ -9,6 +9,7 @@ the HTTP status as an integer and `type` names the OpenAI client's exception cla
 from __future__ import annotations
 
 import math
+from http import HTTPStatus
 from dataclasses import dataclass
 
 
@@ -23,6 +24,19 @@ class RouterError(Exception):
 
 class InvalidRequest(RouterError):
     """The request can never succeed as sent (bad field, too long for the context)."""
+
+
+class PayloadTooLarge(InvalidRequest):
+    """The request body is larger than --max-request-bytes (refused before it is read whole)."""
+
+
+class HttpStatusError(RouterError):
+    """An HTTP-level refusal from the framework (unknown route 404, wrong method 405, a body
+    that is not JSON 400): vLLM answers these with the status phrase as `type`."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class ModelNotFound(RouterError):
@@ -83,6 +97,8 @@ class HttpError:
 
 # Most specific class first; `type` strings are vLLM's (and openai-python's exception names).
 _HTTP_STATUS: tuple[tuple[type[RouterError], int, str], ...] = (
+    # openai-python has no class for 413; vLLM names framework statuses by their phrase.
+    (PayloadTooLarge, 413, "Request Entity Too Large"),
     (InvalidRequest, 400, "BadRequestError"),
     (Unauthorized, 401, "AuthenticationError"),
     (ModelNotFound, 404, "NotFoundError"),
@@ -93,6 +109,8 @@ _HTTP_STATUS: tuple[tuple[type[RouterError], int, str], ...] = (
 
 def http_error(error: RouterError) -> HttpError:
     """Status code, vLLM-shaped body and headers (Retry-After for Overloaded) for `error`."""
+    if isinstance(error, HttpStatusError):
+        return HttpError(error.status_code, error.message, _phrase(error.status_code), error.param)
     status, err_type = 500, "InternalServerError"
     for cls, cls_status, cls_type in _HTTP_STATUS:
         if isinstance(error, cls):
@@ -102,3 +120,10 @@ def http_error(error: RouterError) -> HttpError:
     if isinstance(error, Overloaded):
         headers = (("Retry-After", str(error.retry_after_seconds)),)
     return HttpError(status, error.message, err_type, error.param, headers)
+
+
+def _phrase(status_code: int) -> str:
+    try:
+        return HTTPStatus(status_code).phrase
+    except ValueError:
+        return "Error"

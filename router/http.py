@@ -1,29 +1,33 @@
 """The OpenAI-compatible HTTP API (vLLM's surface) over a RouterService.
 
 Handlers are thin: FastAPI decodes the body, the handler calls one service method, and
-router.openai_encode shapes the JSON. RouterErrors become HTTP responses in `_error_response`
-only. Two ASGI middlewares wrap every route: the request id (X-Request-Id echoed, or a new
-uuid) and the API key check (all routes but /health).
+router.openai_encode shapes the JSON. RouterErrors become HTTP responses in `http_guards.error_response`
+only. Three ASGI guards (router.http_guards) wrap every route: the request id (X-Request-Id
+echoed, or a new uuid), the API key check (all routes but /health and /ready) and the body size
+limit. Framework refusals (unknown route, wrong method, a body that is not JSON) get vLLM's
+error shape too, never FastAPI's `{"detail": ...}`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import importlib.metadata
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import InvalidRequest, RouterError, Unauthorized, WorkerFailure, http_error
+from router.errors import (
+    HttpStatusError,
+    InvalidRequest,
+    Overloaded,
+    RouterError,
+    WorkerFailure,
+)
 from router.event_stream import EventStreamResponse, wait_for_disconnect
 from router.metrics import PROMETHEUS_CONTENT_TYPE
 from router.openai_encode import (
@@ -44,13 +48,21 @@ from router.openai_models import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from router.http_guards import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    error_response,
+)
+from router.readiness import Readiness
 from router.results import ResponseHead
 from router.service import ResponseStream, RouterService
 
 T = TypeVar("T")
 PATH_HEADER = "x-pdserve-path"
 ROUTE_HEADER = "x-pdserve-route"
-REQUEST_ID_HEADER = "x-request-id"
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
+"""2 MiB: a whole max_model_len prompt as text or token ids takes a small fraction of it."""
 # Not an HTTP standard: nginx's "client closed request", logged when a client leaves mid-way.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -67,7 +79,11 @@ class HttpSettings:
     """How the HTTP front door behaves (the service holds everything about the model)."""
 
     api_key: str | None = None
-    """When set, every route but /health requires `Authorization: Bearer <api_key>`."""
+    """When set, every route but /health and /ready requires `Authorization: Bearer <api_key>`."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request body accepted; larger ones get 413 before they are read."""
+    readiness: Callable[[], Awaitable[Readiness]] | None = None
+    """Whether workers can serve now (/ready); None: /ready answers as /health does."""
     version: str = field(default_factory=_pdserve_version)
     """Reported by /version."""
     cluster_view: Callable[[], Awaitable[dict[str, object]]] | None = None
@@ -87,12 +103,16 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
     app.add_exception_handler(
         RequestValidationError, _on_validation_error  # type: ignore[arg-type]
     )
+    app.add_exception_handler(HTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(Exception, _on_unexpected_error)
     app.include_router(_routes(service, settings))
+    # The last added runs first: id (so every refusal carries it), key, then body size (so an
+    # unauthenticated client cannot make the router buffer a body).
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(RequestIdMiddleware)  # added last = outermost: 401s carry the id too
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -102,6 +122,16 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
     @api.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @api.get("/ready")
+    async def ready() -> Response:
+        if settings.readiness is None:
+            return JSONResponse({"status": "ready"})
+        state = await settings.readiness()
+        if not state.ready:
+            raise Overloaded(state.reason)
+        return JSONResponse({"status": "ready", "prefill_workers": state.prefill_workers,
+                             "decode_workers": state.decode_workers})
 
     @api.get("/version")
     async def version() -> JSONResponse:
@@ -122,15 +152,15 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", dependencies=[Depends(_json_body)])
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
-        return JSONResponse(tokenize_body(service.tokenize(body)))
+        return JSONResponse(tokenize_body(await service.tokenize(body)))
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", dependencies=[Depends(_json_body)])
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(detokenize_body(service.detokenize(body)))
+        return JSONResponse(detokenize_body(await service.detokenize(body)))
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", dependencies=[Depends(_json_body)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ids, rid = bool(body.return_token_ids), request_id(request)
         if body.stream:
@@ -139,7 +169,7 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
         result = await _unless_disconnected(request, service.complete(body, rid))
         return _json(completion_body(result, ids), result.head)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", dependencies=[Depends(_json_body)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ids, rid = bool(body.return_token_ids), request_id(request)
         if body.stream:
@@ -149,6 +179,13 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
         return _json(chat_body(result, ids), result.head)
 
     return api
+
+
+def _json_body(request: Request) -> None:
+    """vLLM's check: POST bodies must be declared JSON (400 otherwise, with vLLM's message)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise InvalidRequest("Unsupported Media Type: Only 'application/json' is allowed")
 
 
 def request_id(request: Request) -> str:
@@ -189,75 +226,35 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def _error_response(error: RouterError) -> JSONResponse:
-    """The one place a RouterError becomes an HTTP response."""
-    mapped = http_error(error)
-    return JSONResponse(mapped.body(), status_code=mapped.status_code, headers=dict(mapped.headers))
-
-
 async def _on_router_error(_: Request, exc: RouterError) -> JSONResponse:
-    return _error_response(exc)
+    return error_response(exc)
+
+
+async def _on_http_exception(_: Request, exc: HTTPException) -> JSONResponse:
+    # 404/405 from routing, and FastAPI's "There was an error parsing the body" (a body that is
+    # not UTF-8, or JSON nested past the parser's recursion limit).
+    response = error_response(HttpStatusError(exc.status_code, str(exc.detail)))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     problems, param = [], None
     for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            reason = (error.get("ctx") or {}).get("error", "")
+            problems.append(f"JSON decode error: {reason}".rstrip(": "))
+            continue
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
         param = param or (".".join(loc) or None)
         problems.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
-    return _error_response(InvalidRequest("; ".join(problems), param=param))
+    return error_response(InvalidRequest("; ".join(problems), param=param))
 
 
 async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     # A bug: answer in the usual shape; Starlette re-raises it afterwards, so it gets logged.
-    return _error_response(WorkerFailure(f"internal router error ({type(exc).__name__})"))
+    return error_response(WorkerFailure(f"internal router error ({type(exc).__name__})"))
 
 
 async def _on_client_disconnected(_: Request, __: Exception) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-
-class RequestIdMiddleware:
-    """Gives each request an id (its X-Request-Id, or a new uuid) and echoes it back."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class ApiKeyMiddleware:
-    """Answers 401 unless `Authorization: Bearer <api_key>` (every path but /health)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._is_open(scope) or self._allowed(scope):
-            await self.app(scope, receive, send)
-            return
-        await _error_response(Unauthorized())(scope, receive, send)
-
-    @staticmethod
-    def _is_open(scope: Scope) -> bool:
-        # CORS preflights carry no credentials; /health is for load balancers and probes.
-        return scope["path"] == "/health" or scope.get("method") == "OPTIONS"
-
-    def _allowed(self, scope: Scope) -> bool:
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        # Compare fixed-length digests so timing reveals nothing about the key.
-        given = hashlib.sha256(token.encode()).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._digest)

@@ -9,15 +9,45 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+Int32 = Annotated[int, Field(ge=_INT32_MIN, le=_INT32_MAX)]
+"""Every integer that ends up in an int32/uint32 field of the internal protos is bounded here,
+so an accepted request always fits the messages it causes (negative values are refused later
+with vLLM's own messages, by SamplingParams)."""
+NonNegativeInt = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 
 
 class OpenAIBaseModel(BaseModel):
     # OpenAI's API tolerates extra fields; so does vLLM.
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _no_lone_surrogates(self) -> OpenAIBaseModel:
+        # JSON may spell a lone UTF-16 surrogate ("\ud800"); Python keeps it in the str, and
+        # the tokenizer (or any UTF-8 encode) would fail much later with a 500.
+        for name in type(self).model_fields:
+            if _has_lone_surrogate(getattr(self, name)):
+                raise ValueError(f"{name} contains a lone surrogate, which is not valid Unicode text")
+        return self
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """True if a str in `value` (or in its lists and dict values) cannot be encoded as UTF-8.
+    Nested models check themselves."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -33,20 +63,20 @@ class SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by completions and chat completions (vLLM's extras included)."""
 
     model: str | None = None
-    n: int | None = 1
+    n: Int32 | None = 1
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = []
-    stop_token_ids: list[int] | None = []
+    stop_token_ids: list[Int32] | None = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stream: bool | None = False
@@ -56,7 +86,7 @@ class SamplingFields(OpenAIBaseModel):
     # Declared to be refused (see validation.refuse_unsupported).
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int32 | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -64,8 +94,8 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: list[NonNegativeInt] | list[list[NonNegativeInt]] | str | list[str] | None = None
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: bool | None = False
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -116,10 +146,10 @@ class ChatTemplateFields(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = 0
+    top_logprobs: Int32 | None = 0
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
     parallel_tool_calls: bool | None = True
     echo: bool = False

@@ -8,9 +8,14 @@ error, client gone) closes the run, which aborts whatever the backend is still g
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -39,6 +44,9 @@ from router.results import (
 from router.run import GenerationPlan, GenerationRun, drain
 from router.validation import (
     Prompt,
+    RequestLimits,
+    check_limits,
+    num_completion_prompts,
     chat_logprobs,
     chat_max_tokens,
     chat_prompt,
@@ -53,6 +61,7 @@ from router.validation import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ResponseStream:
@@ -100,10 +109,14 @@ class RouterService:
         model_root: str | None = None,
         metrics: RouterMetrics | None = None,
         enable_prompt_tokens_details: bool = False,
+        limits: RequestLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex,
     ) -> None:
-        """`clock` times latencies (seconds, monotonic); `wall_clock` stamps `created`."""
+        """`clock` times latencies (seconds, monotonic); `wall_clock` stamps `created`;
+        `new_request_id` names each request towards the backend (unique: the client's own id is
+        only echoed, so two requests that reuse one cannot abort each other)."""
         self._tokenizer = tokenizer
         self._backend = backend
         self.model_name = model_name
@@ -114,29 +127,38 @@ class RouterService:
         self._clock = clock
         self._wall_clock = wall_clock
         self._created = int(wall_clock())
+        self._limits = limits or RequestLimits()
+        self._new_request_id = new_request_id
+        # Chat templates and tokenizing a large prompt take CPU time; doing them here keeps the
+        # event loop (every other request's stream) moving. Two threads: the tokenizer and the
+        # sandboxed template are read-only after loading, so they are safe to share.
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
 
     def model_card(self) -> ModelCard:
         return ModelCard(self.model_name, self._created, self._model_root, self.max_model_len)
 
     async def complete(self, req: CompletionRequest, request_id: str) -> CompletionResult:
         """A whole completion. Raises RouterError (InvalidRequest, ModelNotFound, backend's)."""
-        return await drain(self._completion_run(req, request_id))
+        return await drain(await self._completion_run(req, request_id))
 
     async def stream_complete(self, req: CompletionRequest, request_id: str) -> ResponseStream:
         """A started completion stream; raises RouterError if it fails before its first output."""
-        return await self._start_stream(self._completion_run(req, request_id), req)
+        return await self._start_stream(await self._completion_run(req, request_id), req)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> CompletionResult:
         """A whole chat completion. Raises RouterError."""
-        return await drain(self._chat_run(req, request_id))
+        return await drain(await self._chat_run(req, request_id))
 
     async def stream_chat(self, req: ChatCompletionRequest, request_id: str) -> ResponseStream:
         """A started chat stream; raises RouterError if it fails before its first output."""
-        return await self._start_stream(self._chat_run(req, request_id), req)
+        return await self._start_stream(await self._chat_run(req, request_id), req)
 
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResult:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResult:
         """Token ids of a prompt or of a templated conversation. Raises RouterError."""
         check_model(req.model, self.model_name)
+        return await self._off_loop(self._tokenize, req)
+
+    def _tokenize(self, req: TokenizeRequest) -> TokenizeResult:
         if isinstance(req, TokenizeCompletionRequest):
             ids = tuple(self._tokenizer.encode(req.prompt, req.add_special_tokens))
         else:
@@ -144,30 +166,46 @@ class RouterService:
         strs = tuple(self._tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
         return TokenizeResult(tokens=ids, max_model_len=self.max_model_len, token_strs=strs)
 
-    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResult:
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResult:
         """Text of token ids (special tokens kept, as vLLM does). Raises RouterError."""
         check_model(req.model, self.model_name)
+        return await self._off_loop(self._detokenize, req)
+
+    def _detokenize(self, req: DetokenizeRequest) -> DetokenizeResult:
         ids = tuple(req.tokens)
         if ids:
             check_token_ids(ids, self._tokenizer)
         return DetokenizeResult(self._tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _completion_run(self, req: CompletionRequest, request_id: str) -> GenerationRun:
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu, functools.partial(fn, *args))
+
+    async def _completion_run(self, req: CompletionRequest, request_id: str) -> GenerationRun:
         check_model(req.model, self.model_name)
         refuse_unsupported(req)
+        check_limits(req, num_completion_prompts(req), self._limits)
+        plan = await self._off_loop(self._completion_plan, req, request_id)
+        return self._run(request_id, plan)
+
+    def _completion_plan(self, req: CompletionRequest, request_id: str) -> GenerationPlan:
         logprobs = completion_logprobs(req)
         prompts = completion_prompts(req, self._tokenizer)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             check_context_length(len(prompt.token_ids), max_tokens, self.max_model_len)
         params = sampling_params(req, max_tokens, logprobs)
-        plan = self._plan(f"cmpl-{request_id}", req, prompts, (params,) * len(prompts), req.echo)
-        return self._run(request_id, plan)
+        return self._plan(f"cmpl-{request_id}", req, prompts, (params,) * len(prompts), req.echo)
 
-    def _chat_run(self, req: ChatCompletionRequest, request_id: str) -> GenerationRun:
+    async def _chat_run(self, req: ChatCompletionRequest, request_id: str) -> GenerationRun:
         check_model(req.model, self.model_name)
         refuse_unsupported(req)
         check_chat_options(req)
+        check_limits(req, 1, self._limits)
+        plan = await self._off_loop(self._chat_plan, req, request_id)
+        return self._run(request_id, plan)
+
+    def _chat_plan(self, req: ChatCompletionRequest, request_id: str) -> GenerationPlan:
         logprobs = chat_logprobs(req)
         prompt = chat_prompt(req, self._tokenizer)
         max_tokens = chat_max_tokens(req)
@@ -175,8 +213,7 @@ class RouterService:
         if max_tokens is None:  # vLLM: whatever room the context leaves
             max_tokens = self.max_model_len - len(prompt.token_ids)
         params = sampling_params(req, max_tokens, logprobs)
-        plan = self._plan(f"chatcmpl-{request_id}", req, (prompt,), (params,))
-        return self._run(request_id, plan)
+        return self._plan(f"chatcmpl-{request_id}", req, (prompt,), (params,))
 
     def _plan(
         self,
@@ -199,9 +236,11 @@ class RouterService:
             prompt_tokens_details=self._prompt_tokens_details,
         )
 
-    def _run(self, request_id: str, plan: GenerationPlan) -> GenerationRun:
+    def _run(self, client_request_id: str, plan: GenerationPlan) -> GenerationRun:
+        backend_id = self._new_request_id()
+        logger.info("request %s runs as %s", client_request_id[:128], backend_id)
         return GenerationRun(
-            self._backend, self._tokenizer, self.metrics, request_id, plan, self._clock
+            self._backend, self._tokenizer, self.metrics, backend_id, plan, self._clock
         )
 
     async def _start_stream(self, run: GenerationRun, req: SamplingFields) -> ResponseStream:

@@ -31,6 +31,68 @@ class Prompt:
     """The prompt's text (for echo); None when the client sent token ids."""
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds checked before any work (tokenizing, routing), so one request cannot take the
+    router's memory or time from the others, and an accepted request fits the internal messages."""
+
+    max_n: int = 128
+    """Most completions per prompt (`n`). OpenAI's own cap; each one is a separate sequence
+    with its own KV blocks, so n=1,000,000 must be refused before it is fanned out."""
+    max_sequences: int = 1024
+    """Most sequences per request: prompts x n (a batch of prompts multiplies n)."""
+    max_stop: int = 64
+    """Most stop strings per request; each is matched against every new token's text."""
+    max_stop_chars: int = 1024
+    """Longest stop string, in characters."""
+    max_stop_token_ids: int = 1024
+    """Most stop token ids per request."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_sequences", "max_stop", "max_stop_chars", "max_stop_token_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def check_limits(req: SamplingFields, num_prompts: int, limits: RequestLimits) -> None:
+    """Raises InvalidRequest, naming the field, when `req` exceeds `limits` (cheap: counts only)."""
+    n = 1 if req.n is None else req.n
+    if n > limits.max_n:
+        raise InvalidRequest(f"n must be at most {limits.max_n}, got {n}.", param="n")
+    if num_prompts * n > limits.max_sequences:
+        raise InvalidRequest(
+            f"This request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
+            f"at most {limits.max_sequences} are allowed per request.",
+            param="n",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    if len(stop) > limits.max_stop:
+        raise InvalidRequest(
+            f"stop may hold at most {limits.max_stop} strings, got {len(stop)}.", param="stop"
+        )
+    longest = max((len(s) for s in stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise InvalidRequest(
+            f"each stop string may be at most {limits.max_stop_chars} characters, got one of "
+            f"{longest}.",
+            param="stop",
+        )
+    ids = req.stop_token_ids or ()
+    if len(ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids, got {len(ids)}.",
+            param="stop_token_ids",
+        )
+
+
+def num_completion_prompts(req: CompletionRequest) -> int:
+    """How many prompts a completion request holds (before tokenizing)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def check_model(requested: str | None, served: str) -> None:
     """Raises ModelNotFound unless `requested` is the served model (or omitted)."""
     if requested is not None and requested != served:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -103,7 +104,10 @@ MODEL_ROOT = "/models/SmolLM2-135M-Instruct.gguf"
 
 
 def make_service(backend: ScriptedBackend, max_model_len: int = 2048, **kwargs) -> RouterService:
-    """A RouterService over `backend` with fixed clocks (so bodies are exact)."""
+    """A RouterService over `backend` with fixed clocks (so bodies are exact) and backend
+    request ids b1, b2, ... in the order requests start."""
+    ids = itertools.count(1)
+    kwargs.setdefault("new_request_id", lambda: f"b{next(ids)}")
     return RouterService(
         smollm2_tokenizer(),
         backend,

@@ -65,22 +65,22 @@ def test_client_disconnect_mid_stream_aborts_the_backend_request():
     texts = [json.loads(m["body"][6:])["choices"][0]["text"] for m in sent[1:]]
     assert texts == [" Paris", " is"]
     assert sent[-1]["more_body"] is True  # the stream was cut, never finished
-    assert backend.aborted == ["req-1-0"]
-    assert backend.closed == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
+    assert backend.closed == ["b1-0"]
 
 
 def test_client_disconnect_mid_chat_stream_aborts_every_choice():
     app, backend = make_app(token_steps(PARIS), hold_after=1)
     body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True}
     serve_until_gone(app, "/v1/chat/completions", body, gone_after_chunks=4)
-    assert backend.aborted == ["req-1-0", "req-1-1"]
+    assert backend.aborted == ["b1-0", "b1-1"]
 
 
 def test_client_disconnect_while_waiting_for_a_whole_completion_aborts_the_backend():
     app, backend = make_app(token_steps(PARIS), hold_after=1)
     sent = serve_until_gone(app, "/v1/completions", {"prompt": "Hello"}, gone=backend.holding)
     assert sent[0]["status"] == 499
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
 
 
 def test_client_disconnect_before_the_first_token_of_a_stream_aborts_the_backend():
@@ -88,7 +88,7 @@ def test_client_disconnect_before_the_first_token_of_a_stream_aborts_the_backend
     body = {"prompt": "Hello", "stream": True}
     sent = serve_until_gone(app, "/v1/completions", body, gone=backend.holding)
     assert sent[0]["status"] == 499
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
 
 
 def test_a_started_stream_closed_without_being_read_aborts_the_backend():
@@ -100,4 +100,4 @@ def test_a_started_stream_closed_without_being_read_aborts_the_backend():
         await stream.aclose()
 
     asyncio.run(go())
-    assert backend.aborted == ["r-0"]
+    assert backend.aborted == ["b1-0"]

@@ -91,7 +91,7 @@ def test_chat_stream_with_n_2_opens_every_choice_then_interleaves():
         delta_chunk({"content": "Hello"}, "length", index=1, stopped=True),
         "[DONE]",
     ]
-    assert [r.request_id for r in backend.requests] == ["req-1-0", "req-1-1"]
+    assert [r.request_id for r in backend.requests] == ["b1-0", "b1-1"]
 
 
 def test_chat_logprobs_have_openais_content_shape():

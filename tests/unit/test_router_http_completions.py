@@ -55,7 +55,7 @@ def test_completion_returns_vllms_body_with_path_and_request_id_headers():
     assert response.headers["x-pdserve-path"] == PATH
     assert response.headers["x-request-id"] == "req-1"
     assert [(r.request_id, r.prompt_token_ids, r.params.max_tokens) for r in backend.requests] == [
-        ("req-1-0", (19556,), 3)
+        ("b1-0", (19556,), 3)
     ]
 
 
@@ -99,7 +99,7 @@ def test_stop_string_across_tokens_truncates_and_aborts_the_backend():
     response = call(app, "POST", "/v1/completions", json=body, headers=ID)
     assert response.json()["choices"] == [choice(" Paris is ", "stop", "nice.")]
     assert response.json()["usage"] == usage(1, 4, prompt_tokens_details=None)
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
 
 
 def test_streamed_stop_string_ends_the_stream_and_aborts_the_backend():
@@ -113,7 +113,7 @@ def test_streamed_stop_string_ends_the_stream_and_aborts_the_backend():
         chunk("", "stop", "nice."),
         "[DONE]",
     ]
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
 
 
 def test_n_2_fans_out_two_seeded_backend_requests():
@@ -123,8 +123,8 @@ def test_n_2_fans_out_two_seeded_backend_requests():
     body = {"prompt": "Hello", "n": 2, "seed": 7, "max_tokens": 2}
     response = call(app, "POST", "/v1/completions", json=body, headers=ID)
     assert [(r.request_id, r.params.n, r.params.seed) for r in backend.requests] == [
-        ("req-1-0", 1, 7),
-        ("req-1-1", 1, 8),
+        ("b1-0", 1, 7),
+        ("b1-1", 1, 8),
     ]
     assert response.json()["choices"] == [
         choice(" Paris", "length"),
@@ -138,10 +138,10 @@ def test_two_prompts_times_n_2_are_four_choices_in_prompt_order():
     body = {"prompt": ["Hello", "Hi"], "n": 2, "max_tokens": 1, "return_token_ids": True}
     response = call(app, "POST", "/v1/completions", json=body, headers=ID)
     assert [(r.request_id, r.prompt_token_ids) for r in backend.requests] == [
-        ("req-1-0", (19556,)),
-        ("req-1-1", (19556,)),
-        ("req-1-2", (26843,)),
-        ("req-1-3", (26843,)),
+        ("b1-0", (19556,)),
+        ("b1-1", (19556,)),
+        ("b1-2", (26843,)),
+        ("b1-3", (26843,)),
     ]
     choices = response.json()["choices"]
     assert [(c["index"], c["prompt_token_ids"], c["token_ids"]) for c in choices] == [
@@ -204,10 +204,10 @@ def test_echo_prepends_the_prompt():
     assert response.json()["choices"][0]["text"] == "Hello Paris is"
 
 
-def test_generated_request_id_is_echoed_and_used_for_the_backend():
+def test_generated_request_id_is_echoed_but_the_backend_gets_the_service_id():
     app, backend = make_app(token_steps(PARIS[:1]))
     response = call(app, "POST", "/v1/completions", json={"prompt": "Hello"})
     request_id = response.headers["x-request-id"]
     assert len(request_id) == 32
     assert response.json()["id"] == f"cmpl-{request_id}"
-    assert backend.requests[0].request_id == f"{request_id}-0"
+    assert backend.requests[0].request_id == "b1-0"

@@ -67,7 +67,7 @@ def test_worker_failure_before_the_stream_starts_is_a_500_json_error():
     assert response.status_code == 500
     assert response.headers["content-type"] == "application/json"
     assert response.json() == error("prefill worker p0 died", "InternalServerError", None, 500)
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
 
 
 def test_worker_failure_after_the_stream_started_arrives_in_band_then_done():
@@ -81,7 +81,7 @@ def test_worker_failure_after_the_stream_started_arrives_in_band_then_done():
         error("decode worker d1 died", "InternalServerError", None, 500),
         "[DONE]",
     ]
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
 
 
 def test_chat_worker_failure_after_start_arrives_in_band():
@@ -99,4 +99,4 @@ def test_a_backend_bug_after_the_stream_started_still_ends_the_stream_in_band():
     events = sse_payloads(post(app, stream=True).text)
     failure = error("internal router error (KeyError)", "InternalServerError", None, 500)
     assert events[1:] == [failure, "[DONE]"]
-    assert backend.aborted == ["req-1-0"]
+    assert backend.aborted == ["b1-0"]
