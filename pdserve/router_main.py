@@ -27,12 +27,17 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--ticket-timeout", type=float, default=60.0)
     g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
+    g.add_argument("--colocated", action="store_true",
+                   help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
 
 
 ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "local_prefill_min_queue",
                  "max_queued_requests", "max_queue_wait")
 """The routing/admission arguments, which `pdserve up` also takes and passes to its router."""
+LIMIT_FLAGS = ("max_request_bytes", "max_n")
+"""Request limits, checked before any work; `pdserve up` passes them on like ROUTING_FLAGS."""
+ROUTING_FLAGS += LIMIT_FLAGS
 
 
 def add_routing_args(g) -> None:
@@ -50,6 +55,18 @@ def add_routing_args(g) -> None:
                    help="requests that may wait for decode room at once; more get 503 + Retry-After")
     g.add_argument("--max-queue-wait", type=float, default=30.0,
                    help="seconds a request may wait for decode room before 503 + Retry-After")
+    add_limit_args(g)
+
+
+def add_limit_args(g) -> None:
+    """Request limits (HTTP and gRPC alike), checked before a request is tokenized or routed."""
+    from router.validation import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
+
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED beyond)")
+    g.add_argument("--max-n", type=int, default=RequestLimits.max_n,
+                   help="most completions per prompt (n); prompts x n is capped at "
+                        f"{RequestLimits.max_sequences}")
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -75,6 +92,7 @@ def build_service(args: argparse.Namespace):
     from router.local_prefill import LocalPrefillRule, WithLocalPrefill
     from router.policy import CacheAware, CacheAwareWeights, make_policy
     from router.service import RouterService
+    from router.validation import RequestLimits
 
     model_path = resolve_model_path(args.model)
     spec = read_spec(model_path)
@@ -95,7 +113,8 @@ def build_service(args: argparse.Namespace):
     backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
                              admission=admission, route_request=builder)
     backend.kv_reader = kv_reader
-    service = RouterService(tokenizer, backend, name, max_model_len)
+    limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
+    service = RouterService(tokenizer, backend, name, max_model_len, limits=limits)
     service.metrics.registry.register(ClusterCollector(backend, reader, name, kv_reader))
     return service, backend, reader
 
@@ -125,6 +144,16 @@ def cluster_view(args: argparse.Namespace, backend, reader):
     return view
 
 
+def readiness_check(args: argparse.Namespace, reader):
+    """/ready and gRPC health: workers of the roles this cluster needs are registered."""
+    from router.readiness import readiness
+
+    async def check():
+        return readiness(await reader.snapshot(), needs_prefill=not args.colocated)
+
+    return check
+
+
 async def serve_router(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -132,13 +161,17 @@ async def serve_router(args: argparse.Namespace) -> None:
     from router.http import HttpSettings, create_app
 
     service, backend, reader = build_service(args)
-    app = create_app(service, HttpSettings(api_key=api_key_from(args),
-                                           cluster_view=cluster_view(args, backend, reader)))
+    api_key = api_key_from(args)
+    ready = readiness_check(args, reader)
+    app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
+                                           max_request_bytes=args.max_request_bytes, readiness=ready))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:
         backend.kv_reader.start()  # replays the block-event stream, then follows it
-    grpc_server, grpc_port = await start_grpc_server(service, args.host, args.grpc_port)
+    grpc_door = await start_grpc_server(service, args.host, args.grpc_port, api_key=api_key,
+                                        max_message_bytes=args.max_request_bytes, readiness=ready)
+    grpc_port = grpc_door.port
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we handle signals below
@@ -159,7 +192,7 @@ async def serve_router(args: argparse.Namespace) -> None:
     await stop.wait()
     server.should_exit = True
     await http_task
-    await grpc_server.stop(grace=2)
+    await grpc_door.stop(grace=2)
     await backend.close()
     if backend.kv_reader is not None:
         await backend.kv_reader.aclose()

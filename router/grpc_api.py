@@ -1,22 +1,36 @@
 """The public gRPC API (pdserve.v1.Generation) over the same RouterService as HTTP.
 
 Thin: each RPC builds the OpenAI-shaped request RouterService takes, calls it, and encodes
-the result; errors map to status codes in router.grpc_errors (one place).
+the result; errors map to status codes in router.grpc_errors (one place). The API key and
+undecodable messages are handled before any method by router.grpc_guards. The health service
+follows the router's readiness (router.readiness), refreshed by a background task.
+
+`request_id` in a GenerateRequest is the client's label: echoed in every reply, never a key
+(the service names backend requests itself, so two calls reusing one id do not collide).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 import grpc
+import pydantic
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.errors import InvalidRequest, RouterError
-from router.grpc_errors import grpc_status, grpc_trailing_metadata
+from router.grpc_guards import FrontDoorInterceptor, abort
+from router.readiness import Readiness
+from router.validation import DEFAULT_MAX_REQUEST_BYTES
 from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeCompletionRequest
 from router.results import ChoiceUpdate, StreamFailure, UsageReport
+
+logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
 ROUTE_METADATA = "x-pdserve-route"
@@ -24,11 +38,15 @@ ROUTE_METADATA = "x-pdserve-route"
 
 
 def _sampling_fields(msg: generation_pb2.GenerateRequest) -> dict:
+    """Unset optional fields take vLLM's defaults; a 0 that was sent is validated as sent."""
     s = msg.sampling
     fields = dict(
-        model=msg.model or None, n=s.n or 1, temperature=s.temperature, top_p=s.top_p or 1.0,
+        model=msg.model or None, n=s.n if s.HasField("n") else 1,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
         top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty or 1.0,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
         include_stop_str_in_output=s.include_stop_str_in_output, ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
@@ -60,12 +78,12 @@ def _set_stop_reason(msg, stop_reason) -> None:
         msg.stop_token_id = stop_reason
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
-    """End the RPC with the error's status, message and trailing metadata (retry-after)."""
-    metadata = grpc_trailing_metadata(error)
-    if metadata:
-        context.set_trailing_metadata(metadata)
-    await context.abort(grpc_status(error), str(error))
+def _invalid(exc: ValueError) -> InvalidRequest:
+    """A request model's validation error, worded as over HTTP ("field: problem")."""
+    if isinstance(exc, pydantic.ValidationError):
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors()]
+        return InvalidRequest("; ".join(problems))
+    return InvalidRequest(str(exc))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -99,9 +117,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             result = await self._start(request, request_id, stream=False)
         except RouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, _invalid(exc))
         if result.head.route:
             context.set_trailing_metadata(((ROUTE_METADATA, result.head.route),))
         reply = generation_pb2.GenerateResponse(
@@ -121,9 +139,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             stream = await self._start(request, request_id, stream=True)
         except RouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, _invalid(exc))
         if stream.head.route:
             await context.send_initial_metadata(((ROUTE_METADATA, stream.head.route),))
         try:
@@ -142,7 +160,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             completion_tokens=event.usage.completion_tokens,
                             cached_tokens=event.usage.cached_tokens or 0))
                 elif isinstance(event, StreamFailure):
-                    await _abort(context, event.error)
+                    await abort(context, event.error)
         finally:
             await stream.aclose()
 
@@ -152,21 +170,81 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         try:
-            result = self.service.tokenize(TokenizeCompletionRequest(
+            result = await self.service.tokenize(TokenizeCompletionRequest(
                 model=request.model or None, prompt=request.text, add_special_tokens=request.add_special_tokens))
         except RouterError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
+        except ValueError as exc:
+            await abort(context, _invalid(exc))
         return generation_pb2.TokenizeResponse(token_ids=list(result.tokens), max_model_len=result.max_model_len)
 
 
-async def start_grpc_server(service, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+class GrpcFrontDoor:
+    """The router's public gRPC server and the task that keeps its health statuses true."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, follower: asyncio.Task[None] | None) -> None:
+        self.server = server
+        self.port = port
+        self._follower = follower
+
+    async def stop(self, grace: float) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
+        await self.server.stop(grace=grace)
+
+
+async def start_grpc_server(
+    service,
+    host: str,
+    port: int,
+    *,
+    api_key: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    readiness: Callable[[], Awaitable[Readiness]] | None = None,
+    readiness_interval_s: float = 1.0,
+) -> GrpcFrontDoor:
+    """Serve pdserve.v1.Generation (+ health, reflection). Messages over `max_message_bytes`
+    are refused by grpc itself (RESOURCE_EXHAUSTED) before they reach Python."""
+    server = grpc.aio.server(
+        interceptors=[FrontDoorInterceptor(SERVICE_NAME, api_key)],
+        options=[("grpc.max_receive_message_length", max_message_bytes)],
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
+    follower = None
+    if readiness is None:
+        await _set_health(health_servicer, True)
+    else:
+        await _update_health(health_servicer, readiness)
+        follower = asyncio.create_task(_follow_readiness(health_servicer, readiness, readiness_interval_s))
+    return GrpcFrontDoor(server, bound, follower)
+
+
+async def _set_health(servicer: health.aio.HealthServicer, ready: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+        await servicer.set(name, status)
+
+
+async def _update_health(servicer: health.aio.HealthServicer, readiness: Callable[[], Awaitable[Readiness]]) -> None:
+    try:
+        state = await readiness()
+    except Exception:  # a bug in the check must not stop the follower; report not ready
+        logger.exception("readiness check failed")
+        await _set_health(servicer, False)
+        return
+    await _set_health(servicer, state.ready)
+
+
+async def _follow_readiness(
+    servicer: health.aio.HealthServicer, readiness: Callable[[], Awaitable[Readiness]], interval_s: float
+) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await _update_health(servicer, readiness)

@@ -56,13 +56,12 @@ from router.http_guards import (
 )
 from router.readiness import Readiness
 from router.results import ResponseHead
+from router.validation import DEFAULT_MAX_REQUEST_BYTES
 from router.service import ResponseStream, RouterService
 
 T = TypeVar("T")
 PATH_HEADER = "x-pdserve-path"
 ROUTE_HEADER = "x-pdserve-route"
-DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
-"""2 MiB: a whole max_model_len prompt as text or token ids takes a small fraction of it."""
 # Not an HTTP standard: nginx's "client closed request", logged when a client leaves mid-way.
 CLIENT_CLOSED_REQUEST = 499
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -24,14 +24,14 @@ class OpenAIBaseModel(BaseModel):
     # OpenAI's API tolerates extra fields; so does vLLM.
     model_config = ConfigDict(extra="allow")
 
-    @model_validator(mode="after")
-    def _no_lone_surrogates(self) -> OpenAIBaseModel:
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
         # JSON may spell a lone UTF-16 surrogate ("\ud800"); Python keeps it in the str, and
         # the tokenizer (or any UTF-8 encode) would fail much later with a 500.
-        for name in type(self).model_fields:
-            if _has_lone_surrogate(getattr(self, name)):
-                raise ValueError(f"{name} contains a lone surrogate, which is not valid Unicode text")
-        return self
+        if _has_lone_surrogate(value):
+            raise ValueError("text must be valid Unicode: it holds a lone surrogate (e.g. \\ud800)")
+        return value
 
 
 def _has_lone_surrogate(value: object) -> bool:

@@ -31,6 +31,11 @@ class Prompt:
     """The prompt's text (for echo); None when the client sent token ids."""
 
 
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
+"""2 MiB of HTTP body or gRPC message: a whole max_model_len prompt, as text or as token ids,
+takes a small fraction of it, and tokenizing 2 MiB stays well under a second."""
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Bounds checked before any work (tokenizing, routing), so one request cannot take the
