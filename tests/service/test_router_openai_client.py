@@ -102,4 +102,4 @@ def test_closing_a_stream_over_tcp_aborts_the_backend_request():
             assert next(lines).startswith('data: {"id":"cmpl-tcp-1"')
             wait_for(backend.holding.is_set)
         # Leaving the block closed the connection while the backend was between tokens.
-        wait_for(lambda: backend.aborted == ["tcp-1-0"])
+        wait_for(lambda: backend.aborted == ["b1-0"])
