@@ -72,6 +72,8 @@ def add_limit_args(g) -> None:
 def api_key_from(args: argparse.Namespace) -> str | None:
     """--api-key, else $PDSERVE_API_KEY, else the contents of $PDSERVE_API_KEY_FILE."""
     if args.api_key:
+        logger.warning("--api-key on the command line is visible to every user of this host (ps); "
+                       "prefer PDSERVE_API_KEY_FILE or PDSERVE_API_KEY")
         return args.api_key
     if os.environ.get("PDSERVE_API_KEY"):
         return os.environ["PDSERVE_API_KEY"]

@@ -238,7 +238,8 @@ class RouterService:
 
     def _run(self, client_request_id: str, plan: GenerationPlan) -> GenerationRun:
         backend_id = self._new_request_id()
-        logger.info("request %s runs as %s", client_request_id[:128], backend_id)
+        # %r: the client's id is arbitrary text (newlines included); it is a label, never a key.
+        logger.info("request %r runs as %s", client_request_id[:128], backend_id)
         return GenerationRun(
             self._backend, self._tokenizer, self.metrics, backend_id, plan, self._clock
         )
