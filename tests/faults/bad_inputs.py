@@ -167,6 +167,7 @@ def _invalid_utf8_text() -> bytes:
     return generation_pb2.GenerateRequest(text="AB").SerializeToString().replace(b"AB", b"\xed\xa0")
 
 
+_TWO = common_pb2.SamplingParams(max_tokens=2)  # a case that is served must not run long
 _CHAT = generation_pb2.ChatMessages
 _MSG = generation_pb2.ChatMessage
 NO_KEY = ()
@@ -199,10 +200,11 @@ GRPC_CASES: tuple[GrpcCase, ...] = (
     _gen("min_tokens above max_tokens", min_tokens=5),
     _gen("prompt empty", text=""),
     _gen("prompt longer than context", text="hello " * 1500),
-    _msg("unknown model", generation_pb2.GenerateRequest(model="gpt-4", text="Hi"), grpc.StatusCode.NOT_FOUND),
+    _msg("unknown model", generation_pb2.GenerateRequest(model="gpt-4", text="Hi", sampling=_TWO),
+         grpc.StatusCode.NOT_FOUND),
     _msg("token id out of vocab", generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[10**6]))),
     _msg("token id negative", generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[-1]))),
-    _msg("chat without messages", generation_pb2.GenerateRequest(chat=_CHAT()), None),
+    _msg("chat without messages", generation_pb2.GenerateRequest(chat=_CHAT(), sampling=_TWO), None),
     _msg("chat unknown role", generation_pb2.GenerateRequest(chat=_CHAT(messages=[_MSG(role="wizard", content="Hi")]),
-                                                             sampling=common_pb2.SamplingParams(max_tokens=2)), None),
+                                                             sampling=_TWO), None),
 )

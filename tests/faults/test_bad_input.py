@@ -84,7 +84,7 @@ def send_http(http: httpx.Client, case: HttpCase, stream: bool) -> httpx.Respons
 
 
 def test_bad_http_inputs_never_answer_5xx_and_every_4xx_is_vllm_shaped(http, canary_text):
-    seen = 0
+    seen, open_cases = 0, []
     for case in HTTP_CASES:
         for stream in (False, True) if case.streams else (False,):
             label = f"{case.name} (stream={stream})"
@@ -93,12 +93,14 @@ def test_bad_http_inputs_never_answer_5xx_and_every_4xx_is_vllm_shaped(http, can
             assert response.status_code < 500 or response.status_code == 503, f"{label}: {response.text[:300]}"
             if case.expect is not None:
                 assert response.status_code == case.expect, f"{label}: {response.text[:300]}"
+            else:
+                open_cases.append((label, response.status_code))
             if response.status_code >= 400:
                 assert_vllm_error(response, label)
         canary = http.post("/v1/completions", json=CANARY, headers=AUTH)
         assert canary.status_code == 200, f"canary after {case.name}: {canary.text[:300]}"
         assert canary.json()["choices"][0]["text"] == canary_text, f"canary after {case.name}"
-    print(f"\nHTTP bad-input requests: {seen} from {len(HTTP_CASES)} cases")
+    print(f"\nHTTP bad-input requests: {seen} from {len(HTTP_CASES)} cases; open cases: {open_cases}")
 
 
 async def grpc_code(channel: grpc.aio.Channel, case: GrpcCase, stream: bool) -> grpc.StatusCode:
@@ -125,7 +127,7 @@ async def grpc_canary(stub) -> str:
 
 def test_bad_grpc_inputs_get_proper_codes_and_a_canary_still_answers(cluster, canary_text):
     async def go():
-        seen = 0
+        seen, open_cases = 0, []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             for case in GRPC_CASES:
@@ -137,11 +139,35 @@ def test_bad_grpc_inputs_get_proper_codes_and_a_canary_still_answers(cluster, ca
                     assert code in ALLOWED_GRPC, f"{label}: {code}"
                     if case.expect is not None:
                         assert code == case.expect, f"{label}: {code}"
+                    else:
+                        open_cases.append((label, code.name))
                 assert await grpc_canary(stub) == canary_text, f"canary after {case.name}"
-        return seen
+        return seen, open_cases
 
-    seen = asyncio.run(go())
-    print(f"\ngRPC bad-input calls: {seen} from {len(GRPC_CASES)} cases")
+    seen, open_cases = asyncio.run(go())
+    print(f"\ngRPC bad-input calls: {seen} from {len(GRPC_CASES)} cases; open cases: {open_cases}")
+
+
+def test_a_prompt_just_under_the_size_limit_is_tokenized_without_stalling_other_routes(cluster):
+    big = {"prompt": "hello world, this is a test. " * 65_000, "max_tokens": 2}  # 1.9 MB, ~520k tokens
+
+    async def go():
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json=big, headers=AUTH))
+            worst, polls = 0.0, 0
+            while not task.done() and polls < 2400:  # bounded: at most ~2 min of polling
+                started = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                worst, polls = max(worst, time.monotonic() - started), polls + 1
+                await asyncio.sleep(0.05)
+            return await task, worst, polls
+
+    response, worst, polls = asyncio.run(go())
+    assert response.status_code == 400
+    assert "maximum context length is 1024 tokens" in response.json()["error"]["message"]
+    print(f"\n/health while tokenizing 1.9 MB: worst {worst * 1000:.0f} ms over {polls} polls")
+    assert polls >= 3, "the big prompt was refused before it was tokenized"
+    assert worst < 1.5, f"/health waited {worst:.2f} s behind the tokenizer"
 
 
 def test_two_streams_reusing_one_x_request_id_both_finish_in_full(cluster):
