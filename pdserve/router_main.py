@@ -27,7 +27,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--ticket-timeout", type=float, default=60.0)
     g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
-    g.add_argument("--colocated", action="store_true",
+    # Takes an optional value so that `pdserve up` can pass it on like ROUTING_FLAGS
+    # (`--colocated True|False`); `--colocated` alone means True.
+    g.add_argument("--colocated", nargs="?", const=True, default=False, type=_true_or_false,
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
 
@@ -37,7 +39,15 @@ ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "
 """The routing/admission arguments, which `pdserve up` also takes and passes to its router."""
 LIMIT_FLAGS = ("max_request_bytes", "max_n")
 """Request limits, checked before any work; `pdserve up` passes them on like ROUTING_FLAGS."""
-ROUTING_FLAGS += LIMIT_FLAGS
+ROUTING_FLAGS += LIMIT_FLAGS + ("colocated",)  # `pdserve up --colocated` tells its router (/ready)
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def add_routing_args(g) -> None:

@@ -63,3 +63,14 @@ def test_ready_is_200_with_worker_counts_when_ready_and_health_stays_200_either_
     ready = app_with(Readiness(True, "ready", 1, 2))
     assert call(ready, "GET", "/ready").json() == {"status": "ready", "prefill_workers": 1, "decode_workers": 2}
     assert call(app_with(Readiness(False, "x", 0, 0)), "GET", "/health").status_code == 200
+
+
+def test_pdserve_up_tells_its_router_whether_the_cluster_is_colocated():
+    from pdserve.cli import build_parser
+    from pdserve.launcher import routing_flags
+
+    parser = build_parser()
+    for up_flags, colocated in ((["--colocated"], True), ([], False)):
+        up = parser.parse_args(["up", *up_flags])
+        router = parser.parse_args(["router", *routing_flags(up)])
+        assert router.colocated is colocated
