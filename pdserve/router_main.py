@@ -88,7 +88,12 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     if os.environ.get("PDSERVE_API_KEY"):
         return os.environ["PDSERVE_API_KEY"]
     key_file = os.environ.get("PDSERVE_API_KEY_FILE")
-    return Path(key_file).read_text().strip() if key_file else None
+    if not key_file:
+        return None
+    key = Path(key_file).read_text().strip()
+    if not key:
+        raise SystemExit(f"PDSERVE_API_KEY_FILE {key_file} is empty: refusing to serve without the key it promises")
+    return key
 
 
 def build_service(args: argparse.Namespace):

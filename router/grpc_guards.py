@@ -40,7 +40,7 @@ class FrontDoorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, service_name: str, api_key: str | None) -> None:
         self._prefix = f"/{service_name}/"
-        self._key = ApiKey(api_key) if api_key else None
+        self._key = ApiKey(api_key) if api_key is not None else None
 
     async def intercept_service(
         self,

@@ -83,6 +83,12 @@ class HttpSettings:
     """Largest request body accepted; larger ones get 413 before they are read."""
     readiness: Callable[[], Awaitable[Readiness]] | None = None
     """Whether workers can serve now (/ready); None: /ready answers as /health does."""
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (None: no key required)")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
     version: str = field(default_factory=_pdserve_version)
     """Reported by /version."""
     cluster_view: Callable[[], Awaitable[dict[str, object]]] | None = None
