@@ -25,10 +25,10 @@ from grpc_reflection.v1alpha import reflection
 from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.errors import InvalidRequest, RouterError
 from router.grpc_guards import FrontDoorInterceptor, abort
-from router.readiness import Readiness
-from router.validation import DEFAULT_MAX_REQUEST_BYTES
 from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeCompletionRequest
+from router.readiness import Readiness
 from router.results import ChoiceUpdate, StreamFailure, UsageReport
+from router.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 

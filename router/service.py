@@ -1,9 +1,15 @@
 """RouterService: the OpenAI API's behaviour, independent of HTTP and of how tokens are made.
 
-Per request: check the model name, validate, render the chat template, tokenize, check the
-context length, fan prompts x n out to the backend as single-sequence requests, detokenize and
-apply stop strings per choice, count usage and metrics. Every path out (done, stop string,
-error, client gone) closes the run, which aborts whatever the backend is still generating.
+Per request: check the model name and the limits (cheap counts, before any work), validate,
+render the chat template and tokenize (in a worker thread: a large prompt must not stall the
+event loop), check the context length, fan prompts x n out to the backend as single-sequence
+requests, detokenize and apply stop strings per choice, count usage and metrics. Every path out
+(done, stop string, error, client gone) closes the run, which aborts whatever the backend is
+still generating.
+
+Backend requests are named by the service (a fresh id per client request), never by the
+client's own request id, which is only echoed and logged: two requests reusing one id must not
+collide in the workers.
 """
 
 from __future__ import annotations
@@ -13,8 +19,8 @@ import functools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
@@ -45,17 +51,17 @@ from router.run import GenerationPlan, GenerationRun, drain
 from router.validation import (
     Prompt,
     RequestLimits,
-    check_limits,
-    num_completion_prompts,
     chat_logprobs,
     chat_max_tokens,
     chat_prompt,
     check_chat_options,
     check_context_length,
+    check_limits,
     check_model,
     check_token_ids,
     completion_logprobs,
     completion_prompts,
+    num_completion_prompts,
     refuse_unsupported,
     sampling_params,
 )
