@@ -204,6 +204,11 @@ class EmbeddedRedis:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it has exited (None while running or never started)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
