@@ -78,7 +78,11 @@ def redis_port(cluster) -> int:
 
 def router_secrets(cluster) -> dict[str, str]:
     env = environ_of(child_matching(cluster, b"pdserve\0router"))
-    return {name: env[name] for name in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_SECRET", PASSWORD_ENV)}
+    return {name: env.get(name, "") for name in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_SECRET", PASSWORD_ENV)}
+
+
+def password(cluster) -> str | None:
+    return router_secrets(cluster)[PASSWORD_ENV] or None
 
 
 def complete(cluster, prompt: str = "Hello") -> httpx.Response:
@@ -103,6 +107,7 @@ def test_no_secret_appears_on_any_command_line(cluster):
     assert len(pids) == 5, names  # pdserve up, redis-server, 2 workers, router
     for pid in pids:
         line = cmdline(pid)
+        assert b"--api-key" not in line
         for name, value in secrets.items():
             assert value.encode() not in line, f"{name} on the command line of {pid}: {line!r}"
     ps = subprocess.run(["ps", "-o", "args=", "-p", ",".join(map(str, pids))],
@@ -116,7 +121,7 @@ def test_embedded_redis_wants_its_password_and_refuses_dangerous_commands(cluste
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(_resp("HSET", worker_key(CLUSTER, "intruder"), "role", "decode"))
         assert sock.recv(256) == b"-NOAUTH Authentication required.\r\n"
-    client = sync_client(f"redis://127.0.0.1:{port}/0", RedisAuth(password=router_secrets(cluster)[PASSWORD_ENV]))
+    client = sync_client(f"redis://127.0.0.1:{port}/0", RedisAuth(password=password(cluster)))
     try:
         for command in (("CONFIG", "SET", "dir", "/tmp"), ("SAVE",), ("DEBUG", "SLEEP", "0"), ("FLUSHALL",)):
             with pytest.raises(redis.ResponseError, match=f"unknown command `{command[0]}`"):
@@ -148,9 +153,8 @@ class CountingListener:
 
 
 def test_a_decode_worker_written_into_redis_without_the_secret_gets_no_request(cluster):
-    secrets = router_secrets(cluster)
     client = sync_client(f"redis://127.0.0.1:{redis_port(cluster)}/0",
-                         RedisAuth(password=secrets[PASSWORD_ENV]), decode_responses=True)
+                         RedisAuth(password=password(cluster)), decode_responses=True)
     listener = CountingListener()
     real = WorkerInfo.from_hash(client.hgetall(worker_key(CLUSTER, "decode-0")))
     fake = dataclasses.replace(real, worker_id="decode-fake", address=listener.address,
@@ -175,13 +179,13 @@ def test_a_decode_worker_written_into_redis_without_the_secret_gets_no_request(c
 
 
 def test_a_killed_embedded_redis_comes_back_and_the_cluster_recovers(cluster):
-    port, password = redis_port(cluster), router_secrets(cluster)[PASSWORD_ENV]
+    port, redis_password = redis_port(cluster), password(cluster)
     old_pid = child_matching(cluster, b"redis-server")
     os.kill(old_pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         pids = [p for p in descendants(cluster.process.pid) if b"redis-server" in cmdline(p)]
-        if pids and pids != [old_pid] and ping("127.0.0.1", port, password=password):
+        if pids and pids != [old_pid] and ping("127.0.0.1", port, password=redis_password):
             break
         time.sleep(0.1)
     else:
