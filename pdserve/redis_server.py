@@ -30,7 +30,7 @@ import time
 import weakref
 from pathlib import Path
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server"]
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server", "share_cluster_secrets"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,19 @@ def ping(host: str, port: int, timeout_s: float = 0.5, password: str | None = No
             return reply.startswith(expected)
     except OSError:
         return False
+
+
+def share_cluster_secrets(server: EmbeddedRedis) -> None:
+    """For scripts that start pdserve processes themselves (benchmarks): put this server's
+    password, and a cluster secret unless one is set, into os.environ, which the processes
+    they start inherit. Mutates os.environ; `pdserve up` does not use it (it builds its
+    children's environment explicitly)."""
+    from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, generate_secret
+    from router.redis_settings import PASSWORD_ENV
+
+    os.environ[PASSWORD_ENV] = server.password
+    if not os.environ.get(CLUSTER_SECRET_ENV) and not os.environ.get(CLUSTER_SECRET_FILE_ENV):
+        os.environ[CLUSTER_SECRET_ENV] = generate_secret()
 
 
 def config_text(port: int, tmp_dir: str, password: str) -> str:
