@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
