@@ -139,7 +139,7 @@ class LocalCluster:
             logger.warning("the password in --redis-url is visible to every user of this host "
                            "(ps); prefer PDSERVE_REDIS_PASSWORD or PDSERVE_REDIS_PASSWORD_FILE")
             return url, auth
-        return url, RedisAuth.from_env()
+        return url, RedisAuth()  # the children inherit $PDSERVE_REDIS_* from this environment
 
     def _spawn_worker(self, role: str, index: int, common: list[str]) -> None:
         name = f"{role}-{index}"
