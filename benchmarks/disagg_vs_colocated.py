@@ -165,9 +165,10 @@ def run_setup(procs: Processes, server: Server, load: Load, slo: tuple[float, fl
 
 def measure(layout: Layout, load: Load, slo: tuple[float, float], engine_flags: list[str], workdir: Path) -> Phases:
     """One setup from start to stop: its own Redis, workers, router and bench processes."""
-    from pdserve.redis_server import EmbeddedRedis
+    from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets
 
     with EmbeddedRedis() as redis, Processes(workdir) as procs:
+        share_cluster_secrets(redis)
         server = start_setup(procs, layout, redis.url, engine_flags)
         return run_setup(procs, server, load, slo)
 

@@ -35,6 +35,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from pdserve.heartbeat import HeartbeatPublisher  # noqa: E402
+from proto.auth import load_cluster_secret  # noqa: E402
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.cluster_keys import WorkerInfo  # noqa: E402
 
@@ -128,9 +129,11 @@ async def serve(args: argparse.Namespace) -> None:
     await decode_server.start()
     beats = [
         HeartbeatPublisher(args.redis_url, args.cluster,
-                           lambda: worker_info("instant-prefill-0", "prefill", prefill_addr, incarnation)),
+                           lambda: worker_info("instant-prefill-0", "prefill", prefill_addr, incarnation),
+                           secret=load_cluster_secret()),
         HeartbeatPublisher(args.redis_url, args.cluster,
-                           lambda: worker_info("instant-decode-0", "decode", decode_addr, incarnation)),
+                           lambda: worker_info("instant-decode-0", "decode", decode_addr, incarnation),
+                           secret=load_cluster_secret()),
     ]
     for beat in beats:
         beat.start()

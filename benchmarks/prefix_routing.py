@@ -106,9 +106,10 @@ class Cluster:
         self.base_url = ""
 
     def start(self) -> None:
-        from pdserve.redis_server import EmbeddedRedis
+        from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets
 
         self.redis = EmbeddedRedis().start()
+        share_cluster_secrets(self.redis)
         common = ["--redis-url", self.redis.url, "--dtype", "float32", "--num-threads", "1",
                   "--max-model-len", "2048", "--host", HOST]
         for name, role, extra in (

@@ -44,7 +44,7 @@ from pdserve.bench.client import Endpoint  # noqa: E402
 from pdserve.bench.datasets import SampleRequest, random_requests  # noqa: E402
 from pdserve.bench.main import first_model  # noqa: E402
 from pdserve.bench.runner import RunSettings, run_benchmark  # noqa: E402
-from pdserve.redis_server import EmbeddedRedis  # noqa: E402
+from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets  # noqa: E402
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 START_TIMEOUT_S = 60.0
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = load_tokenizer(default_model_path())
     redis, workers, router = EmbeddedRedis().start(), None, None
+    share_cluster_secrets(redis)
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
         try:
             workers_ready, router_ready = Path(tmp) / "workers", Path(tmp) / "router"

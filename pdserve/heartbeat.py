@@ -6,6 +6,9 @@ hash with `info()` and gives it a TTL of ttl_s, and adds the worker id to the wo
 one MULTI/EXEC: a reader never sees half a heartbeat, and after Redis restarts empty the next
 beat registers the worker again.
 
+With the cluster secret the hash is signed (router/cluster_keys.signed_hash), so routers that
+hold the secret can tell it from an entry written by anyone else with access to Redis.
+
 Redis being down never stops the worker: a failed beat is logged once per outage (and once
 when Redis is back) and retried at the next interval.
 """
@@ -20,7 +23,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from router.cluster_keys import WorkerInfo, worker_key, workers_set_key
+from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
+from router.redis_settings import RedisAuth, redact_url, sync_client
 
 __all__ = ["HeartbeatPublisher"]
 
@@ -53,7 +57,13 @@ class HeartbeatPublisher:
         info: Callable[[], WorkerInfo],
         interval_s: float = 1.0,
         ttl_s: float = 5.0,
+        *,
+        secret: bytes | None = None,
+        auth: RedisAuth | None = None,
     ) -> None:
+        """secret: the cluster secret that signs each beat (None: unsigned, which a router
+        holding a secret ignores). auth: Redis credentials (None: the URL's, else the
+        environment's; router/redis_settings.py)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0; got {interval_s}")
         if ttl_s <= interval_s:
@@ -61,15 +71,17 @@ class HeartbeatPublisher:
                 f"ttl_s ({ttl_s}) must exceed interval_s ({interval_s}), or a live worker's "
                 "entry would expire between beats"
             )
-        self.redis_url = redis_url
+        self.redis_url = redact_url(redis_url)
         self.cluster = cluster
         self.interval_s = interval_s
+        self._secret = secret
         self.ttl_s = ttl_s
         self._info = info
         # Our own loop retries each interval, so the client must not retry (or block) longer.
         timeout_s = min(interval_s, 1.0)
-        self._client = redis.Redis.from_url(
+        self._client = sync_client(
             redis_url,
+            auth,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
@@ -110,7 +122,8 @@ class HeartbeatPublisher:
             key = worker_key(self.cluster, info.worker_id)
             with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(key)  # drop fields an older version of the hash may still hold
-                pipe.hset(key, mapping=info.to_hash())
+                fields = info.to_hash() if self._secret is None else signed_hash(info, self.cluster, self._secret)
+                pipe.hset(key, mapping=fields)
                 pipe.pexpire(key, int(self.ttl_s * 1000))
                 pipe.sadd(workers_set_key(self.cluster), info.worker_id)
                 pipe.execute()

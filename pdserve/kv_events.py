@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -37,6 +36,7 @@ from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
 from router.cluster_keys import kv_events_key
 from router.prefix_index import BlockEvent, EventKind
+from router.redis_settings import RedisAuth, redact_url, sync_client
 
 __all__ = ["KVEventPublisher", "order_events"]
 
@@ -85,11 +85,13 @@ class KVEventPublisher:
         max_queued_hashes: int = 1 << 18,
         retry_interval_s: float = 0.5,
         check_interval_s: float = 1.0,
+        auth: RedisAuth | None = None,
     ) -> None:
         """retention_s: stream entries older than this (by their Redis id) are trimmed after
         each snapshot; it must cover two snapshot intervals so a router replaying the stream
         finds every live worker's latest snapshot. check_interval_s: how often Redis's run_id
-        is compared (detects a restart when no write failed)."""
+        is compared (detects a restart when no write failed). auth: Redis credentials (None:
+        the URL's, else the environment's; router/redis_settings.py)."""
         if snapshot_interval_s <= 0 or retry_interval_s <= 0 or check_interval_s <= 0:
             raise ValueError("snapshot, retry and check intervals must be > 0")
         if retention_s < 2 * snapshot_interval_s:
@@ -99,7 +101,7 @@ class KVEventPublisher:
             )
         if maxlen < 1 or max_hashes_per_entry < 1 or max_queued_hashes < 1:
             raise ValueError("maxlen, max_hashes_per_entry and max_queued_hashes must be >= 1")
-        self.redis_url = redis_url
+        self.redis_url = redact_url(redis_url)
         self.key = kv_events_key(cluster)
         self.worker_id = worker_id
         self.incarnation = incarnation
@@ -113,8 +115,8 @@ class KVEventPublisher:
         self._take_events = take_events
         self._cached_hashes = cached_hashes
         # Our loop retries on its own schedule, so the client must neither retry nor block long.
-        self._client = redis.Redis.from_url(
-            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        self._client = sync_client(
+            redis_url, auth, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
         )
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()

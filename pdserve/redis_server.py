@@ -5,8 +5,15 @@ Lifecycle: created (no process) -> start() -> running (PING answered) -> stop() 
 again (same port if one was given, else a new free one).
 
 The server listens on 127.0.0.1 only, keeps no data on disk (no RDB snapshots, no AOF) and
-runs in its own temp dir. It speaks plain RESP, so readiness is checked with a raw PING and this
-module needs no Redis client.
+runs in its own temp dir. It is locked down, because whoever can write the cluster state could
+otherwise redirect traffic or write files on the host:
+- a password (`requirepass`; generated unless given) that every client must AUTH with. It is
+  written with the rest of the settings to a config file (0600, in the private 0700 temp dir),
+  never put on the server's command line, where `ps` would show it to every user of the host;
+- the commands pdserve never sends and that would let a client reconfigure the server, write
+  files, replicate it elsewhere, load code or wipe it are renamed to "" (gone): DISABLED_COMMANDS.
+It speaks plain RESP, so readiness is checked with a raw AUTH + PING and this module needs no
+Redis client.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -22,7 +30,7 @@ import time
 import weakref
 from pathlib import Path
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server"]
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server", "share_cluster_secrets"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +68,76 @@ def free_port(host: str = HOST) -> int:
         return sock.getsockname()[1]
 
 
-def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    """True when a Redis server at host:port answers PING with PONG."""
+DISABLED_COMMANDS: tuple[str, ...] = (
+    "CONFIG", "DEBUG", "MODULE",  # reconfigure the server, crash it, load native code
+    "SAVE", "BGSAVE", "BGREWRITEAOF", "LASTSAVE",  # write files (with CONFIG SET dir: anywhere)
+    "SHUTDOWN", "FLUSHALL", "FLUSHDB", "KEYS",  # stop or wipe it; KEYS blocks it on a big db
+    "SLAVEOF", "REPLICAOF", "SYNC", "PSYNC", "FAILOVER",  # copy it to, or from, elsewhere
+    "MIGRATE", "RESTORE", "RESTORE-ASKING", "DUMP",  # move crafted payloads in or out
+    "MONITOR", "ACL",  # watch every command (incl. AUTH), create users
+)  # fmt: skip
+"""Renamed to "" in the embedded server. pdserve sends none of them (it uses AUTH, PING, INFO,
+EVAL, MULTI/EXEC, DEL, EXISTS, HSET, HGET, HGETALL, PEXPIRE, SADD, SREM, SMEMBERS, XADD, XTRIM,
+XREAD, XREVRANGE, CLIENT); stop() ends the server with SIGTERM, not SHUTDOWN."""
+
+
+def _resp(*words: str) -> bytes:
+    """One command as a RESP array (safe for any bytes in a password)."""
+    out = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5, password: str | None = None) -> bool:
+    """True when a Redis server at host:port answers PING with PONG (after AUTH with password
+    when one is given)."""
+    request = (_resp("AUTH", password) if password is not None else b"") + _resp("PING")
+    expected = (b"+OK\r\n" if password is not None else b"") + b"+PONG\r\n"
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(request)
+            reply = b""
+            while len(reply) < len(expected) and b"-" not in reply[:1]:
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply.startswith(expected)
     except OSError:
         return False
+
+
+def share_cluster_secrets(server: EmbeddedRedis) -> None:
+    """For scripts that start pdserve processes themselves (benchmarks): put this server's
+    password, and a cluster secret unless one is set, into os.environ, which the processes
+    they start inherit. Mutates os.environ; `pdserve up` does not use it (it builds its
+    children's environment explicitly)."""
+    from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, generate_secret
+    from router.redis_settings import PASSWORD_ENV
+
+    os.environ[PASSWORD_ENV] = server.password
+    if not os.environ.get(CLUSTER_SECRET_ENV) and not os.environ.get(CLUSTER_SECRET_FILE_ENV):
+        os.environ[CLUSTER_SECRET_ENV] = generate_secret()
+
+
+def config_text(port: int, tmp_dir: str, password: str) -> str:
+    """The server's redis.conf: 127.0.0.1 only, nothing on disk, the password, the commands
+    of DISABLED_COMMANDS gone."""
+    lines = [
+        f"port {port}",
+        f"bind {HOST}",
+        'save ""',
+        "appendonly no",
+        f'dir "{tmp_dir}"',
+        "daemonize no",
+        "loglevel notice",
+        "protected-mode yes",
+        f"requirepass {password}",
+        *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -92,7 +162,9 @@ class EmbeddedRedis:
     """A private redis-server subprocess on 127.0.0.1. Not thread-safe; one owner.
 
     `port=None` picks a free port at start(); give a port to come back on the same address
-    (e.g. a test restarting Redis under a reader that holds its URL).
+    (e.g. a test restarting Redis under a reader that holds its URL). `password=None` generates
+    one (256 bits); clients find it in `password` (pdserve passes it on as
+    $PDSERVE_REDIS_PASSWORD). It must not contain whitespace or quotes (a config-file token).
     """
 
     START_ATTEMPTS = 3
@@ -105,7 +177,11 @@ class EmbeddedRedis:
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
         executable: str | os.PathLike[str] | None = None,
+        password: str | None = None,
     ) -> None:
+        if password is not None and (not password or any(c.isspace() or c in "\"'\\" for c in password)):
+            raise ValueError("the embedded Redis password must be non-empty, without whitespace or quotes")
+        self._password = password if password is not None else secrets.token_urlsafe(32)
         self._requested_port = port
         self._port: int | None = port
         self._start_timeout_s = start_timeout_s
@@ -128,11 +204,22 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
+        """redis://127.0.0.1:PORT/0, without the password (safe to print and to put on argv)."""
         return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def password(self) -> str:
+        """The password clients AUTH with (the same across restart())."""
+        return self._password
 
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it has exited (None while running or never started)."""
+        return self._proc.poll() if self._proc is not None else None
 
     @property
     def pid(self) -> int | None:
@@ -162,18 +249,13 @@ class EmbeddedRedis:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _launch(self, executable: Path, port: int) -> None:
-        tmp_dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        tmp_dir = tempfile.mkdtemp(prefix="pdserve-redis-")  # 0700: ours only
         log_path = Path(tmp_dir) / "redis.log"
-        args = [
-            str(executable),
-            "--port", str(port),
-            "--bind", HOST,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", tmp_dir,
-            "--daemonize", "no",
-            "--loglevel", "notice",
-        ]  # fmt: skip
+        conf_path = Path(tmp_dir) / "redis.conf"
+        fd = os.open(conf_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as conf:
+            conf.write(config_text(port, tmp_dir, self._password))
+        args = [str(executable), str(conf_path)]  # the password stays off argv
         try:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
@@ -193,7 +275,7 @@ class EmbeddedRedis:
             if proc.poll() is not None:
                 break
             # Re-check after PING: on a port picked free, another server may have bound it.
-            if ping(HOST, port) and proc.poll() is None:
+            if ping(HOST, port, password=self._password) and proc.poll() is None:
                 logger.info("embedded Redis (pid %d) ready at %s", proc.pid, self.url)
                 return
             time.sleep(0.02)
@@ -207,6 +289,19 @@ class EmbeddedRedis:
         raise EmbeddedRedisError(
             f"embedded Redis ({executable}) on {HOST}:{port} {state}; its log:\n{log_tail}"
         )
+
+    def restart(self) -> EmbeddedRedis:
+        """Start a server again on the same port with the same password, after it died (or
+        was stopped): the dead process is reaped first, so no zombie remains. Blocks like
+        start(); raises EmbeddedRedisError when it does not come back. Returns self."""
+        port = self.port
+        self._shutdown(kill=True)
+        try:
+            self._launch(self._executable or bundled_redis_server(), port)
+        except EmbeddedRedisError:
+            self._port = port  # keep the address for the next try
+            raise
+        return self
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after stop_timeout_s) and remove its

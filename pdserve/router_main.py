@@ -116,7 +116,11 @@ def build_service(args: argparse.Namespace):
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model_path.stem)
     max_model_len = args.max_model_len or spec.max_position_embeddings
-    reader = ClusterStateReader(args.redis_url, args.cluster)
+    from proto.auth import load_cluster_secret
+
+    # Redis credentials come from the environment (router/redis_settings.py); the secret
+    # verifies the workers' signed heartbeats.
+    reader = ClusterStateReader(args.redis_url, args.cluster, secret=load_cluster_secret())
     admission = AdmissionQueue(AdmissionSettings(max_queued=args.max_queued_requests,
                                                  max_wait_s=args.max_queue_wait))
     kv_reader = KVEventReader(args.redis_url, args.cluster) if args.redis_url else None

@@ -49,9 +49,11 @@ def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentPar
         if args.redis_url:
             from pdserve.heartbeat import HeartbeatPublisher
 
-            heartbeat = HeartbeatPublisher(
+            from proto.auth import load_cluster_secret
+
+            heartbeat = HeartbeatPublisher(  # Redis credentials: from the environment
                 args.redis_url, args.cluster, lambda: worker_info(worker, role, address, args.host, metrics_port),
-                interval_s=args.heartbeat_interval, ttl_s=args.heartbeat_ttl)
+                interval_s=args.heartbeat_interval, ttl_s=args.heartbeat_ttl, secret=load_cluster_secret())
             heartbeat.start()
             from pdserve.kv_events import KVEventPublisher
 

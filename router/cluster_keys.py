@@ -7,7 +7,10 @@ Keys live under `pdserve:{cluster}:` (DESIGN.md, "Cluster state"):
     pdserve:{cluster}:kv_events           STREAM  block events (router/prefix_index.py BlockEvent)
 
 A worker's hash expires when its heartbeats stop; the set may still name it until a reader
-notices and removes it. Redis is a routing hint, not the source of truth: workers own their
+notices and removes it. A worker signs its hash with the cluster secret (`signed_hash`: an
+HMAC over the cluster name and every WorkerInfo field, in a `signature` field), and a router
+that holds the secret takes only entries that verify (`verified_info`), so write access to
+Redis alone cannot register a worker and redirect users' requests to it. Redis is a routing hint, not the source of truth: workers own their
 blocks, and a router may route on a snapshot that is a little old.
 """
 
@@ -18,13 +21,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
+from proto.auth import sign, verify
+
 __all__ = [
     "ROLES",
+    "SIGNATURE_FIELD",
     "ClusterSnapshot",
+    "UnsignedEntry",
     "Role",
     "WorkerInfo",
     "cluster_prefix",
     "kv_events_key",
+    "signed_hash",
+    "verified_info",
     "worker_key",
     "workers_set_key",
 ]
@@ -209,3 +218,47 @@ class ClusterSnapshot:
     def by_id(self, worker_id: str) -> WorkerInfo | None:
         """The worker with this id, or None when the snapshot has none."""
         return next((w for w in self.workers if w.worker_id == worker_id), None)
+
+
+SIGNATURE_FIELD = "signature"
+"""The heartbeat hash field holding the HMAC (hex) of the others."""
+_SIGNATURE_DOMAIN = "pdserve-heartbeat-v1"
+"""Signed first, so a heartbeat signature is never valid as any other signed message."""
+
+
+class UnsignedEntry(ValueError):
+    """A heartbeat hash without a valid signature (none, or one that does not verify)."""
+
+
+def _signed_parts(cluster: str, text: Mapping[str, str]) -> list[str]:
+    # Every WorkerInfo field, by name, in declaration order: a field moved, dropped or changed
+    # breaks the signature. Fields a newer worker may add are neither signed nor read.
+    parts = [_SIGNATURE_DOMAIN, cluster]
+    for f in fields(WorkerInfo):
+        parts += [f.name, text.get(f.name, "")]
+    return parts
+
+
+def signed_hash(info: WorkerInfo, cluster: str, secret: bytes) -> dict[str, str]:
+    """info.to_hash() plus its signature: what a worker writes when it holds the secret.
+    The cluster name is signed too, so an entry copied into another cluster's keys fails."""
+    text = info.to_hash()
+    text[SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text))
+    return text
+
+
+def verified_info(data: Mapping[bytes | str, bytes | str], cluster: str, secret: bytes | None) -> WorkerInfo:
+    """Parse a heartbeat hash (as WorkerInfo.from_hash) after checking its signature.
+
+    secret None: no check (in-process library use and tests without a cluster secret; every
+    pdserve process has one). Raises UnsignedEntry when the secret is set and the signature is
+    missing or wrong (constant-time compare), ValueError when the hash does not parse.
+    """
+    text = {_text(k): _text(v) for k, v in data.items()}
+    if secret is not None:
+        signature = text.get(SIGNATURE_FIELD)
+        if signature is None:
+            raise UnsignedEntry("heartbeat has no signature")
+        if not verify(secret, signature, *_signed_parts(cluster, text)):
+            raise UnsignedEntry("heartbeat signature does not verify")
+    return WorkerInfo.from_hash(text)

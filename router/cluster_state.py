@@ -5,6 +5,11 @@ requests routed meanwhile. Reading: SMEMBERS of the workers set, then every work
 pipeline. Ids whose hash has expired are removed from the set; hashes that do not parse are
 skipped; an entry from an older incarnation of a worker than one already seen is fenced off.
 
+Given the cluster secret, the reader takes only entries whose signature verifies
+(router/cluster_keys.verified_info): an entry written by anyone else with access to Redis is
+skipped, counted in `rejected_entries`, and logged once per worker id. Without a secret
+(library use, tests) every entry that parses is taken.
+
 When Redis cannot be read the reader keeps answering with its last good snapshot marked
 stale=True (routing goes on with load that is a little old), logs one warning per outage and
 one info when Redis is back, and counts consecutive failures for a metric.
@@ -22,7 +27,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo, worker_key, workers_set_key
+from router.cluster_keys import (
+    ClusterSnapshot,
+    UnsignedEntry,
+    WorkerInfo,
+    verified_info,
+    worker_key,
+    workers_set_key,
+)
+from router.redis_settings import RedisAuth, async_client, redact_url
 
 __all__ = ["ClusterSnapshot", "ClusterStateReader", "Fence", "fence_incarnations"]
 
@@ -96,11 +109,22 @@ class ClusterStateReader:
         static_workers: Sequence[WorkerInfo] = (),
         retry_interval_s: float = 0.5,
         timeout_s: float = 0.5,
+        *,
+        secret: bytes | None = None,
+        auth: RedisAuth | None = None,
     ) -> None:
         """redis_url None: every snapshot holds static_workers (ignored when a URL is given).
         retry_interval_s: while Redis is failing, the least time between two reads, so routing
-        does not wait on a dead Redis at every request. timeout_s: bound on one read."""
-        self.redis_url = redis_url
+        does not wait on a dead Redis at every request. timeout_s: bound on one read.
+        secret: the cluster secret; entries not signed with it are ignored (None: no check).
+        auth: Redis credentials (None: the URL's, else the environment's)."""
+        self.redis_url = redact_url(redis_url) if redis_url is not None else None
+        self._url = redis_url
+        self._secret = secret
+        self._auth = auth
+        self.rejected_entries = 0
+        """Heartbeat entries skipped because their signature was missing or wrong."""
+        self._rejected_ids: set[str] = set()
         self.cluster = cluster
         self.max_age_s = max_age_s
         self.retry_interval_s = max(retry_interval_s, max_age_s)
@@ -209,7 +233,10 @@ class ClusterStateReader:
                 expired.append((worker_id, key))
                 continue
             try:
-                info = WorkerInfo.from_hash(data)
+                info = verified_info(data, self.cluster, self._secret)
+            except UnsignedEntry as exc:
+                self._on_unsigned(worker_id, exc)
+                continue
             except ValueError as exc:
                 logger.debug("skipping unreadable heartbeat %s: %s", key, exc)
                 continue
@@ -229,12 +256,24 @@ class ClusterStateReader:
                 self._fence.pop(worker_id, None)
         return entries
 
+    def _on_unsigned(self, worker_id: str, exc: UnsignedEntry) -> None:
+        self.rejected_entries += 1
+        if worker_id not in self._rejected_ids and len(self._rejected_ids) < 10_000:
+            self._rejected_ids.add(worker_id)  # bounded: a flood of fake ids cannot grow it
+            logger.warning(
+                "ignoring the heartbeat entry of worker %r in Redis: %s (not written by a "
+                "worker holding this cluster's secret)",
+                worker_id,
+                exc,
+            )
+
     def _get_client(self) -> aredis.Redis:
         if self._client is None:
-            assert self.redis_url is not None, "only a Redis-backed reader makes a client"
+            assert self._url is not None, "only a Redis-backed reader makes a client"
             # No client-side retries: a failed read falls back to the last snapshot at once.
-            self._client = aredis.Redis.from_url(
-                self.redis_url,
+            self._client = async_client(
+                self._url,
+                self._auth,
                 socket_timeout=self.timeout_s,
                 socket_connect_timeout=self.timeout_s,
                 retry=Retry(NoBackoff(), 0),

@@ -31,6 +31,7 @@ from engine.kv_cache.hashing import BlockHash
 from router.cluster_keys import ClusterSnapshot, kv_events_key
 from router.policy import RouteRequest
 from router.prefix_index import BlockEvent, PrefixIndex, prompt_block_hashes, route_request
+from router.redis_settings import RedisAuth, async_client, redact_url
 
 __all__ = ["KVEventReader"]
 
@@ -59,13 +60,15 @@ class KVEventReader:
         backoff_min_s: float = 0.1,
         backoff_max_s: float = 5.0,
         clock: Callable[[], float] = time.time,
+        auth: RedisAuth | None = None,
     ) -> None:
         """block_ms: the longest one XREAD waits for new entries (bounds how long aclose and
         outage detection take). timeout_s: socket slack beyond block_ms. clock: wall clock,
-        compared with entry ids (Redis's ms clock) for lag_s."""
+        compared with entry ids (Redis's ms clock) for lag_s. auth: Redis credentials (None:
+        the URL's, else the environment's; router/redis_settings.py)."""
         if block_ms < 1 or count < 1 or timeout_s <= 0 or not 0 < backoff_min_s <= backoff_max_s:
             raise ValueError("block_ms, count >= 1; timeout_s > 0; 0 < backoff_min_s <= backoff_max_s")
-        self.redis_url = redis_url
+        self.redis_url = redact_url(redis_url)
         self.key = kv_events_key(cluster)
         self.index = index if index is not None else PrefixIndex()
         self.block_ms = block_ms
@@ -73,8 +76,9 @@ class KVEventReader:
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
         self._clock = clock
-        self._client = aredis.Redis.from_url(
+        self._client: aredis.Redis = async_client(
             redis_url,
+            auth,
             socket_timeout=block_ms / 1000 + timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),

@@ -13,12 +13,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import grpc
 import httpx
 import pytest
 
 from pdserve.redis_server import EmbeddedRedis
+from proto.auth import CLUSTER_SECRET_ENV, generate_secret
+from router.redis_settings import PASSWORD_ENV
 from tests.e2e.cluster import ROOT, free_port, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -30,9 +33,13 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def redis_server():
+    """Its password and one cluster secret go into the environment, for `pdserve up` and the
+    second router alike (they must verify the same workers' signed heartbeats)."""
     server = EmbeddedRedis(port=free_port()).start()
+    env = {PASSWORD_ENV: server.password, CLUSTER_SECRET_ENV: generate_secret()}
     try:
-        yield server
+        with mock.patch.dict(os.environ, env):
+            yield server
     finally:
         server.stop()
 

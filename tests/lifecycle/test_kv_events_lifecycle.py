@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.serving_loop import ServingLoop
 from pdserve.kv_events import KVEventPublisher
 from pdserve.redis_server import EmbeddedRedis
+from router.redis_settings import RedisAuth
 from router.cluster_keys import ClusterSnapshot, WorkerInfo
 from router.kv_event_reader import KVEventReader
 
@@ -44,8 +45,9 @@ def test_a_served_prompt_is_found_cached_on_its_worker_by_the_router(tiny_model_
     loop.start()
     done = threading.Event()
     with EmbeddedRedis() as server:
+        auth = RedisAuth(password=server.password)
         publisher = KVEventPublisher(
-            server.url, "test", "d0", "inc-1", core.take_block_events, core.cached_block_hashes
+            server.url, "test", "d0", "inc-1", core.take_block_events, core.cached_block_hashes, auth=auth
         )
         try:
             loop.add_poll_hook(publisher.poll)
@@ -60,7 +62,7 @@ def test_a_served_prompt_is_found_cached_on_its_worker_by_the_router(tiny_model_
             assert done.wait(60), "the request did not finish"
 
             async def main() -> None:
-                reader = KVEventReader(server.url, "test", block_ms=100)
+                reader = KVEventReader(server.url, "test", block_ms=100, auth=auth)
                 reader.start()
                 snapshot = ClusterSnapshot(workers=(info(core, "inc-1"),), taken_at=1.0, stale=False)
                 try:

@@ -13,16 +13,24 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 import pytest
-import redis
 
 from engine.kv_cache.block_pool import BlockEvents, BlockPool
 from engine.kv_cache.hashing import hash_full_blocks
 from pdserve.kv_events import KVEventPublisher, order_events
 from pdserve.redis_server import EmbeddedRedis, free_port
+from router.redis_settings import PASSWORD_ENV, sync_client
 from router.cluster_keys import kv_events_key
 from router.kv_event_reader import KVEventReader
 
 pytestmark = pytest.mark.timeout(60)
+
+PASSWORD = "service-test-password"
+"""Every embedded Redis here (restarts included) has it; clients find it in the environment."""
+
+
+@pytest.fixture(autouse=True)
+def redis_password_in_env(monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
 
 CLUSTER = "test"
 BS = 4  # tokens per block
@@ -87,7 +95,7 @@ def prompt(start: int, blocks: int) -> list[int]:
 
 @pytest.fixture
 def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
+    with EmbeddedRedis(password=PASSWORD) as embedded:
         yield embedded
 
 
@@ -133,7 +141,7 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 def stream_kinds(url: str) -> list[tuple[str, int]]:
-    client = redis.Redis.from_url(url)
+    client = sync_client(url)
     try:
         return [
             (fields[b"kind"].decode(), len(fields[b"hashes"]) // 32)
@@ -225,7 +233,7 @@ def test_after_redis_restarts_the_worker_republishes_a_snapshot_and_the_index_ca
 ):
     caplog.set_level(logging.INFO)
     port = free_port()
-    first = EmbeddedRedis(port=port).start()
+    first = EmbeddedRedis(port=port, password=PASSWORD).start()
     second: EmbeddedRedis | None = None
     loop = new_loop(cleanup, num_blocks=8)
     a = loop.cache(prompt(0, 4))
@@ -242,7 +250,7 @@ def test_after_redis_restarts_the_worker_republishes_a_snapshot_and_the_index_ca
             await eventually(lambda: not publisher.redis_ok and not reader.redis_ok)
             loop.cache(prompt(3000, 3))  # dropped at once while down
             assert reader.index.blocks_of("w0") == frozenset(a)  # kept through the outage
-            second = EmbeddedRedis(port=port).start()  # empty: no stream, no history
+            second = EmbeddedRedis(port=port, password=PASSWORD).start()  # empty: no stream, no history
             await eventually(lambda: reader.index.blocks_of("w0") == loop.cached())
             assert len(loop.cached()) == 8
             assert reader.redis_ok and publisher.redis_ok
@@ -283,7 +291,7 @@ def test_redis_down_at_start_never_blocks_the_engine_loop_and_queues_nothing(cle
     assert time.monotonic() - started < 0.5
     assert publisher.dropped_hashes == 5
     assert loop.run(lambda: loop.pool.take_events()) == BlockEvents((), ())  # drained
-    with EmbeddedRedis(port=port):
+    with EmbeddedRedis(port=port, password=PASSWORD):
 
         async def main() -> None:
             reader = new_reader(url)

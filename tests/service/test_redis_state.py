@@ -9,14 +9,22 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import redis
 
 from pdserve.heartbeat import HeartbeatPublisher
 from pdserve.redis_server import EmbeddedRedis, free_port
-from router.cluster_keys import WorkerInfo, worker_key, workers_set_key
+from router.redis_settings import PASSWORD_ENV, sync_client
+from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
 from router.cluster_state import ClusterSnapshot, ClusterStateReader
 
 pytestmark = pytest.mark.timeout(60)
+
+PASSWORD = "service-test-password"
+"""Every embedded Redis here (restarts included) has it; clients find it in the environment."""
+
+
+@pytest.fixture(autouse=True)
+def redis_password_in_env(monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
 
 CLUSTER = "test"
 INTERVAL_S = 0.2
@@ -50,7 +58,7 @@ class FakeWorker:
 
 @pytest.fixture
 def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
+    with EmbeddedRedis(password=PASSWORD) as embedded:
         yield embedded
 
 
@@ -112,7 +120,7 @@ def test_reader_sees_a_published_worker_within_one_interval(server, publishers):
 
 def test_heartbeat_sets_a_ttl_and_registers_in_the_workers_set(server):
     publisher = HeartbeatPublisher(server.url, CLUSTER, FakeWorker("p"), interval_s=1.0, ttl_s=3.0)
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    client = sync_client(server.url, decode_responses=True)
     try:
         assert publisher.beat() is True
         key = worker_key(CLUSTER, "p")
@@ -138,7 +146,7 @@ def test_stop_removes_the_worker_from_redis_and_the_next_snapshot(server, publis
             await reader.aclose()
 
     asyncio.run(main())
-    client = redis.Redis.from_url(server.url)
+    client = sync_client(server.url)
     try:
         assert client.exists(worker_key(CLUSTER, "decode-0")) == 0
         assert client.smembers(workers_set_key(CLUSTER)) == set()
@@ -161,7 +169,7 @@ def test_a_worker_that_stops_beating_expires_after_its_ttl(server):
             await reader.aclose()
 
     asyncio.run(main())
-    client = redis.Redis.from_url(server.url)
+    client = sync_client(server.url)
     try:
         assert client.smembers(workers_set_key(CLUSTER)) == set()  # the reader removed it
     finally:
@@ -222,7 +230,7 @@ def test_reader_routes_on_its_last_snapshot_while_redis_is_down_then_catches_up(
     caplog.set_level(logging.INFO)
     port = free_port()
     ttl_s = 1.0
-    first = EmbeddedRedis(port=port).start()
+    first = EmbeddedRedis(port=port, password=PASSWORD).start()
     second: EmbeddedRedis | None = None
     try:
         url = first.url
@@ -249,7 +257,7 @@ def test_reader_routes_on_its_last_snapshot_while_redis_is_down_then_catches_up(
                 assert reader.consecutive_failures == 2
 
                 worker.info = dataclasses.replace(worker.info, free_blocks=30)
-                second = EmbeddedRedis(port=port).start()  # empty: the publisher re-registers
+                second = EmbeddedRedis(port=port, password=PASSWORD).start()  # empty: the publisher re-registers
                 back, took = await wait_for_snapshot(reader, lambda s: free(s) == [30], ttl_s)
                 assert took < ttl_s
                 assert back.stale is False
@@ -284,7 +292,7 @@ def test_heartbeat_keeps_trying_while_redis_is_down_and_logs_once(publishers, ca
         time.sleep(0.05)
     assert publisher.failures >= 3
     assert (publisher.redis_ok, publisher.beats) == (False, 0)
-    with EmbeddedRedis(port=port):
+    with EmbeddedRedis(port=port, password=PASSWORD):
         while publisher.beats < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert publisher.beats >= 1
@@ -325,7 +333,7 @@ def test_reader_with_no_redis_url_serves_its_static_workers():
 
 def test_reader_skips_a_hash_that_does_not_parse(server, publishers):
     start_publisher(publishers, server.url, FakeWorker("good"))
-    client = redis.Redis.from_url(server.url)
+    client = sync_client(server.url)
     try:
         client.hset(worker_key(CLUSTER, "bad"), mapping={"worker_id": "bad", "role": "x"})
         client.sadd(workers_set_key(CLUSTER), "bad")
@@ -340,3 +348,62 @@ def test_reader_skips_a_hash_that_does_not_parse(server, publishers):
         asyncio.run(main())
     finally:
         client.close()
+
+
+SECRET = b"cluster-secret-for-tests"
+
+
+def test_a_reader_holding_the_secret_takes_only_signed_heartbeats(server, publishers, caplog):
+    """An attacker with write access to Redis registers a decode worker (unsigned, or signed
+    with another secret), or redirects a real signed entry to its own address: the reader
+    takes none of them."""
+    signed = HeartbeatPublisher(server.url, CLUSTER, FakeWorker("real"), interval_s=INTERVAL_S,
+                                ttl_s=1.0, secret=SECRET)
+    publishers.append(signed)
+    signed.start()
+    client = sync_client(server.url, decode_responses=True)
+    fake = dataclasses.replace(FakeWorker("fake")(), address="127.0.0.1:1", updated_at=time.time() + 60)
+    other = dataclasses.replace(fake, worker_id="other-secret")
+    victim = dataclasses.replace(FakeWorker("victim")(), updated_at=time.time() + 60)
+    try:
+        client.hset(worker_key(CLUSTER, "fake"), mapping=fake.to_hash())
+        client.hset(worker_key(CLUSTER, "other-secret"), mapping=signed_hash(other, CLUSTER, b"guess"))
+        client.hset(worker_key(CLUSTER, "victim"), mapping=signed_hash(victim, CLUSTER, SECRET))
+        client.sadd(workers_set_key(CLUSTER), "fake", "other-secret", "victim")
+
+        async def main() -> None:
+            reader = ClusterStateReader(server.url, CLUSTER, max_age_s=0.0, secret=SECRET)
+            try:
+                await wait_for_snapshot(reader, lambda s: worker_ids(s) == ["real", "victim"], 2.0)
+                client.hset(worker_key(CLUSTER, "victim"), "address", "127.0.0.1:1")
+                snapshot = await reader.snapshot()
+                assert worker_ids(snapshot) == ["real"]
+                assert snapshot.workers[0].address == "127.0.0.1:50051"
+                assert reader.rejected_entries >= 3
+            finally:
+                await reader.aclose()
+
+        with caplog.at_level(logging.WARNING, logger="router.cluster_state"):
+            asyncio.run(main())
+    finally:
+        client.close()
+    warned = sorted(r.getMessage().split("'")[1] for r in caplog.records if r.name == "router.cluster_state")
+    assert warned == ["fake", "other-secret", "victim"]  # once per worker id, not once per read
+
+
+def test_a_reader_without_a_secret_takes_signed_and_unsigned_heartbeats(server, publishers):
+    signed = HeartbeatPublisher(server.url, CLUSTER, FakeWorker("signed"), interval_s=INTERVAL_S,
+                                ttl_s=1.0, secret=SECRET)
+    publishers.append(signed)
+    signed.start()
+    start_publisher(publishers, server.url, FakeWorker("unsigned"))
+
+    async def main() -> None:
+        reader = ClusterStateReader(server.url, CLUSTER, max_age_s=0.0)
+        try:
+            await wait_for_snapshot(reader, lambda s: worker_ids(s) == ["signed", "unsigned"], 2.0)
+            assert reader.rejected_entries == 0
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())

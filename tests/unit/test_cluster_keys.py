@@ -6,7 +6,16 @@ import dataclasses
 
 import pytest
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo, worker_key, workers_set_key
+from router.cluster_keys import (
+    SIGNATURE_FIELD,
+    ClusterSnapshot,
+    UnsignedEntry,
+    WorkerInfo,
+    signed_hash,
+    verified_info,
+    worker_key,
+    workers_set_key,
+)
 
 
 def make_worker(**overrides) -> WorkerInfo:
@@ -129,3 +138,45 @@ def test_snapshot_counts_role_both_as_prefill_and_decode():
     assert [w.worker_id for w in snapshot.decode_workers()] == ["b", "d"]
     assert snapshot.by_id("d") is d
     assert snapshot.by_id("gone") is None
+
+
+SECRET = b"unit-secret"
+
+
+def as_redis_bytes(fields: dict[str, str]) -> dict[bytes, bytes]:
+    return {k.encode(): v.encode() for k, v in fields.items()}
+
+
+def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
+    info = make_worker()
+    stored = signed_hash(info, "prod", SECRET)
+    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD}
+    assert verified_info(as_redis_bytes(stored), "prod", SECRET) == info
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("address", "10.0.0.66:50051"), ("role", "prefill"), ("worker_id", "decode-1"),
+     ("incarnation", "ffffff"), ("updated_at", "1718009999.0"), ("free_blocks", "1024")],
+)  # fmt: skip
+def test_changing_any_signed_field_breaks_the_signature(field, value):
+    stored = signed_hash(make_worker(), "prod", SECRET)
+    stored[field] = value
+    with pytest.raises(UnsignedEntry, match="heartbeat signature does not verify"):
+        verified_info(stored, "prod", SECRET)
+
+
+def test_a_heartbeat_is_refused_when_unsigned_signed_with_another_secret_or_for_another_cluster():
+    info = make_worker()
+    with pytest.raises(UnsignedEntry, match="heartbeat has no signature"):
+        verified_info(info.to_hash(), "prod", SECRET)
+    with pytest.raises(UnsignedEntry, match="does not verify"):
+        verified_info(signed_hash(info, "prod", b"other"), "prod", SECRET)
+    with pytest.raises(UnsignedEntry, match="does not verify"):
+        verified_info(signed_hash(info, "staging", SECRET), "prod", SECRET)
+
+
+def test_without_a_secret_any_parsable_heartbeat_is_taken():
+    info = make_worker()
+    assert verified_info(info.to_hash(), "prod", None) == info
+    assert verified_info(signed_hash(info, "prod", SECRET), "prod", None) == info
