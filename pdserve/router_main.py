@@ -34,6 +34,10 @@ ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "
                  "max_queued_requests", "max_queue_wait")
 """The routing/admission arguments, which `pdserve up` also takes and passes to its router."""
 
+DEADLINE_FLAGS = ("prefill_timeout", "stream_idle_timeout")
+"""Deadlines of the router's calls to workers (router.worker_calls.WorkerTimeouts)."""
+ROUTING_FLAGS += DEADLINE_FLAGS
+
 
 def add_routing_args(g) -> None:
     """Routing policy and admission flags (shared by `pdserve router` and `pdserve up`)."""
@@ -50,6 +54,19 @@ def add_routing_args(g) -> None:
                    help="requests that may wait for decode room at once; more get 503 + Retry-After")
     g.add_argument("--max-queue-wait", type=float, default=30.0,
                    help="seconds a request may wait for decode room before 503 + Retry-After")
+    add_deadline_args(g)
+
+
+def add_deadline_args(g) -> None:
+    """--prefill-timeout and --stream-idle-timeout (defaults: router.worker_calls.WorkerTimeouts)."""
+    from router.worker_calls import WorkerTimeouts
+
+    g.add_argument("--prefill-timeout", type=float, default=WorkerTimeouts.prefill_s,
+                   help="seconds one prefill worker may take for a request's Prefill (queue, compute, KV "
+                        "transfer) before the next prefill worker, then the decode worker itself, is tried")
+    g.add_argument("--stream-idle-timeout", type=float, default=WorkerTimeouts.stream_idle_s,
+                   help="seconds a decode worker may send nothing on a request's stream (its ticket "
+                        "included) before the request ends with an explicit error")
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -75,6 +92,7 @@ def build_service(args: argparse.Namespace):
     from router.local_prefill import LocalPrefillRule, WithLocalPrefill
     from router.policy import CacheAware, CacheAwareWeights, make_policy
     from router.service import RouterService
+    from router.worker_calls import WorkerTimeouts
 
     model_path = resolve_model_path(args.model)
     spec = read_spec(model_path)
@@ -93,7 +111,9 @@ def build_service(args: argparse.Namespace):
     if args.local_prefill_max_tokens:
         policy = WithLocalPrefill(policy, LocalPrefillRule(args.local_prefill_max_tokens, args.local_prefill_min_queue))
     backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
-                             admission=admission, route_request=builder)
+                             admission=admission, route_request=builder,
+                             timeouts=WorkerTimeouts(prefill_s=args.prefill_timeout,
+                                                     stream_idle_s=args.stream_idle_timeout))
     backend.kv_reader = kv_reader
     service = RouterService(tokenizer, backend, name, max_model_len)
     service.metrics.registry.register(ClusterCollector(backend, reader, name, kv_reader))
