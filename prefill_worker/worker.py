@@ -143,7 +143,11 @@ class PrefillWorker:
             if not output.new_token_ids:  # aborted by the engine
                 _settle(done, error=PrefillAborted(f"request {request_id} was aborted before its first token"))
                 return
-            self._send(request_id, output, address, target, done)
+            try:
+                self._send(request_id, output, address, target, done)
+            except Exception as exc:  # this request fails; the loop and the others go on
+                logger.exception("sending the KV of %s failed", request_id)
+                _settle(done, error=TransferFailed(f"could not send the KV: {exc}"))
 
         def add() -> None:
             self.loop.attach(request_id, sink)

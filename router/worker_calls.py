@@ -46,8 +46,9 @@ async def read_within(stream, timeout_s: float, what: str):
     """The next message of a grpc.aio stream, or WorkerSilent after `timeout_s` of nothing
     (the call is cancelled then). Raises the stream's AioRpcError as is."""
     try:
-        return await asyncio.wait_for(stream.read(), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):  # not wait_for: 3.11's may swallow a cancellation
+            return await stream.read()
+    except TimeoutError:
         stream.cancel()
         raise WorkerSilent(f"{what} sent nothing for {timeout_s:g} s") from None
 
