@@ -37,7 +37,8 @@ from router.cluster_state import ClusterSnapshot
 from router.errors import InvalidRequest, Overloaded, WorkerFailure
 from router.policy import RouteDecision, RouteRequest, prompt_blocks
 from router.types import TokenLogprobs
-from router.worker_calls import WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within
+from router.worker_calls import (
+    WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within, request_error)
 
 logger = logging.getLogger(__name__)
 
@@ -334,8 +335,8 @@ class ClusterBackend:
                     request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequest(exc.details() or "invalid request") from exc
+                if (error := request_error(exc)) is not None:  # another prefill worker would refuse it too
+                    raise error from exc
                 self.transfers.prefill_retries += 1
                 logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
                                request.request_id, worker_id, exc.code().name, exc.details())

@@ -61,11 +61,16 @@ def is_no_room(exc: grpc.aio.AioRpcError) -> bool:
     return any(key == NO_ROOM_METADATA_KEY and value == "1" for key, value in (exc.trailing_metadata() or ()))
 
 
-def decode_call_error(exc: grpc.aio.AioRpcError, worker_id: str) -> Exception:
-    """The truthful error for a decode worker's failure other than no-room or unavailable."""
+def request_error(exc: grpc.aio.AioRpcError) -> InvalidRequest | None:
+    """The request's own fault, which no other worker and no waiting would cure, or None."""
     details = exc.details() or ""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details or "invalid request")
     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return InvalidRequest(f"the request is too large for the cluster's internal messages ({details})")
-    return WorkerFailure(f"decode worker {worker_id}: {exc.code().name}: {details}")
+    return None
+
+
+def decode_call_error(exc: grpc.aio.AioRpcError, worker_id: str) -> Exception:
+    """The truthful error for a decode worker's failure other than no-room or unavailable."""
+    return request_error(exc) or WorkerFailure(f"decode worker {worker_id}: {exc.code().name}: {exc.details()}")
