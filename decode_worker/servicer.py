@@ -6,9 +6,21 @@ import grpc
 
 from decode_worker.worker import DecodeWorker
 from proto.convert import logprobs_to_proto, params_from_proto
+from proto.limits import NO_ROOM_METADATA_KEY
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DEFAULT_TICKET_TIMEOUT_S = 60.0
+"""A ticket's lifetime when the caller asks for none (ticket_timeout_ms 0 or absent)."""
+MAX_TICKET_TIMEOUT_S = 120.0
+"""The longest a caller may make this worker hold a reservation for a prefill that has not
+arrived: larger requests are clamped, so no caller can pin blocks for an hour."""
+
+
+def ticket_timeout_s(requested_ms: int) -> float:
+    """The ticket lifetime this worker grants for a requested one (0: the default)."""
+    if not requested_ms:
+        return DEFAULT_TICKET_TIMEOUT_S
+    return min(requested_ms / 1000, MAX_TICKET_TIMEOUT_S)
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -21,11 +33,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = params_from_proto(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        timeout_s = request.ticket_timeout_ms / 1000 if request.ticket_timeout_ms else DEFAULT_TICKET_TIMEOUT_S
         try:
             ticket, outputs = await self.worker.admit(
-                request.request_id, tuple(request.prompt_token_ids), params, timeout_s,
-                local_prefill=request.local_prefill)
+                request.request_id, tuple(request.prompt_token_ids), params,
+                ticket_timeout_s(request.ticket_timeout_ms), local_prefill=request.local_prefill)
         except ValueError as exc:  # too long, duplicate id
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ticket is None:
@@ -34,6 +45,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode worker {self.worker.worker_id} has no room now: {stats.free_blocks} of "
                 f"{stats.total_blocks} blocks free, {stats.num_running} running",
+                trailing_metadata=((NO_ROOM_METADATA_KEY, "1"),),
             )
         finished = False
         try:

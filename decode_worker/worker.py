@@ -2,7 +2,8 @@
 
     Decode RPC arrives
       -> reserve blocks for the prompt (less this worker's own prefix-cache hit)
-         refused (no blocks / batch full)  -> RESOURCE_EXHAUSTED at once, nothing held
+         refused (no blocks / batch full)  -> RESOURCE_EXHAUSTED at once, marked no-room
+                                              (proto.limits), nothing held
       -> TICKETED: ticket sent to the router, which asks a prefill worker to fill it
          KV arrives on the data channel    -> blocks imported, first token appended
          ticket deadline passes            -> ABORTED, blocks freed, stream ends "abort"
@@ -104,7 +105,13 @@ class DecodeWorker:
             self.loop.attach(request_id, sink)
             return TicketInfo(ticket_id, reservation.num_cached_tokens, len(reservation.block_ids))
 
-        ticket = await asyncio.wrap_future(self.loop.submit(reserve))
+        try:
+            ticket = await asyncio.wrap_future(self.loop.submit(reserve))
+        except asyncio.CancelledError:
+            # The caller left while the reservation ran: nobody will read the ticket, so free
+            # now rather than at the ticket's deadline. Shielded: this task is being cancelled.
+            await asyncio.shield(self.abort(request_id))
+            raise
         return ticket, outputs
 
     async def abort(self, request_id: str) -> bool:
@@ -125,8 +132,15 @@ class DecodeWorker:
 
     # ------------------------------------------------------- loop thread only
     def _poll_transfers(self) -> None:
+        """Import every arrived transfer, each on its own: one that fails (a bad payload, an
+        aborted request) fails only its own request and never hides the others in the batch."""
         for received in self.receiver.poll():
-            self._on_received(received)
+            try:
+                self._on_received(received)
+            except Exception:
+                logger.exception("importing the KV of ticket %d failed", received.header.ticket_id)
+                if received.header.ticket_id in self._pending:
+                    self._fail(received.header.ticket_id, "importing its KV failed")
         now = time.monotonic()
         for ticket_id, pending in list(self._pending.items()):
             if pending.deadline < now:
@@ -138,6 +152,8 @@ class DecodeWorker:
         pending = self._pending.get(ticket_id)
         if pending is None:
             logger.warning("KV for unknown or expired ticket %d dropped", ticket_id)
+            if received.payload is not None:
+                self.receiver.recycle(received.payload)
             return
         if received.payload is None:
             # Keep the reservation: the router retries the prefill elsewhere with the same
@@ -146,6 +162,7 @@ class DecodeWorker:
             logger.warning("KV transfer for ticket %d failed: %s", ticket_id, received.result.error)
             return
         if received.header.num_blocks != len(pending.block_ids):
+            self.receiver.recycle(received.payload)
             self._fail(ticket_id, f"got {received.header.num_blocks} blocks, reserved {len(pending.block_ids)}")
             return
         del self._pending[ticket_id]

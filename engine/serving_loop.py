@@ -73,9 +73,18 @@ class ServingLoop:
         self._sinks.pop(request_id, None)
 
     def deliver(self, output: EngineCoreOutput) -> None:
+        """Hand `output` to its request's sink. A sink that raises fails only its own request
+        (detached and aborted, blocks freed); it must never stop this thread, which every
+        other request depends on."""
         sink = self._sinks.get(output.request_id)
         if sink is not None:
-            sink(output)
+            try:
+                sink(output)
+            except Exception:
+                logger.exception("the output sink of %s failed; aborting that request", output.request_id)
+                self._sinks.pop(output.request_id, None)
+                self.core.abort([output.request_id])
+                return
         if output.finish_reason is not None:
             self._sinks.pop(output.request_id, None)
 

@@ -39,7 +39,9 @@ ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "
 """The routing/admission arguments, which `pdserve up` also takes and passes to its router."""
 LIMIT_FLAGS = ("max_request_bytes", "max_n")
 """Request limits, checked before any work; `pdserve up` passes them on like ROUTING_FLAGS."""
-ROUTING_FLAGS += LIMIT_FLAGS + ("colocated",)  # `pdserve up --colocated` tells its router (/ready)
+DEADLINE_FLAGS = ("prefill_timeout", "stream_idle_timeout")
+"""Deadlines of the router's calls to workers (router.worker_calls.WorkerTimeouts)."""
+ROUTING_FLAGS += LIMIT_FLAGS + DEADLINE_FLAGS + ("colocated",)  # `up --colocated` tells its router (/ready)
 
 
 def _true_or_false(text: str) -> bool:
@@ -66,6 +68,7 @@ def add_routing_args(g) -> None:
     g.add_argument("--max-queue-wait", type=float, default=30.0,
                    help="seconds a request may wait for decode room before 503 + Retry-After")
     add_limit_args(g)
+    add_deadline_args(g)
 
 
 def add_limit_args(g) -> None:
@@ -77,6 +80,18 @@ def add_limit_args(g) -> None:
     g.add_argument("--max-n", type=int, default=RequestLimits.max_n,
                    help="most completions per prompt (n); prompts x n is capped at "
                         f"{RequestLimits.max_sequences}")
+
+
+def add_deadline_args(g) -> None:
+    """--prefill-timeout and --stream-idle-timeout (defaults: router.worker_calls.WorkerTimeouts)."""
+    from router.worker_calls import WorkerTimeouts
+
+    g.add_argument("--prefill-timeout", type=float, default=WorkerTimeouts.prefill_s,
+                   help="seconds one prefill worker may take for a request's Prefill (queue, compute, KV "
+                        "transfer) before the next prefill worker, then the decode worker itself, is tried")
+    g.add_argument("--stream-idle-timeout", type=float, default=WorkerTimeouts.stream_idle_s,
+                   help="seconds a decode worker may send nothing on a request's stream (its ticket "
+                        "included) before the request ends with an explicit error")
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -110,6 +125,7 @@ def build_service(args: argparse.Namespace):
     from router.policy import CacheAware, CacheAwareWeights, make_policy
     from router.service import RouterService
     from router.validation import RequestLimits
+    from router.worker_calls import WorkerTimeouts
 
     model_path = resolve_model_path(args.model)
     spec = read_spec(model_path)
@@ -132,7 +148,9 @@ def build_service(args: argparse.Namespace):
     if args.local_prefill_max_tokens:
         policy = WithLocalPrefill(policy, LocalPrefillRule(args.local_prefill_max_tokens, args.local_prefill_min_queue))
     backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
-                             admission=admission, route_request=builder)
+                             admission=admission, route_request=builder,
+                             timeouts=WorkerTimeouts(prefill_s=args.prefill_timeout,
+                                                     stream_idle_s=args.stream_idle_timeout))
     backend.kv_reader = kv_reader
     limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
     service = RouterService(tokenizer, backend, name, max_model_len, limits=limits)

@@ -7,10 +7,15 @@
          the channel to that decode worker (opened once per decode worker, pooled)
       -> SENT: the transfer finished; blocks released; the first token is returned
          transfer failed  -> blocks released; the RPC fails UNAVAILABLE (router retries)
-         client gone      -> aborted wherever it is; blocks released
+         client gone      -> aborted wherever it is; blocks released. Gone while SENDING:
+                             the blocks were already copied out and released; the transfer's
+                             entry is dropped when its result is polled, and nobody is told
       (terminal: sent, failed, aborted)
 
-All engine state is touched only on the ServingLoop thread.
+All engine state is touched only on the ServingLoop thread. A request's future may be cancelled
+by its RPC at any moment (asyncio.wrap_future cancels it when the client leaves), so the loop
+thread settles futures only through `_settle`, and one request's failure never stops the loop
+from settling the others in the same batch of transfer results.
 """
 
 from __future__ import annotations
@@ -41,6 +46,25 @@ ChannelOpener = Callable[[str], Awaitable[ChannelAddress]]
 
 class TransferFailed(RuntimeError):
     pass
+
+
+class PrefillAborted(TransferFailed):
+    """The engine dropped the request (a failed step, a shutdown) before its first token."""
+
+
+def _settle(future: Future, result: object = None, error: BaseException | None = None) -> bool:
+    """Set `future` unless it is already done (cancelled by a departed client, or settled);
+    True when this call settled it. Concurrent futures raise InvalidStateError otherwise."""
+    if future.done():
+        return False
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except Exception:  # cancelled between the check and the set (another thread)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -116,21 +140,25 @@ class PrefillWorker:
         done: Future = Future()
 
         def sink(output: EngineCoreOutput) -> None:
-            if not output.new_token_ids:  # aborted
-                if not done.done():
-                    done.set_exception(asyncio.CancelledError())
+            if not output.new_token_ids:  # aborted by the engine
+                _settle(done, error=PrefillAborted(f"request {request_id} was aborted before its first token"))
                 return
-            self._send(request_id, output, address, target, done)
+            try:
+                self._send(request_id, output, address, target, done)
+            except Exception as exc:  # this request fails; the loop and the others go on
+                logger.exception("sending the KV of %s failed", request_id)
+                _settle(done, error=TransferFailed(f"could not send the KV: {exc}"))
 
         def add() -> None:
             self.loop.attach(request_id, sink)
             self.core.add_request(Request(request_id, prompt, prefill_params(params), self.core.eos_token_ids))
 
-        await asyncio.wrap_future(self.loop.submit(add))
         try:
+            await asyncio.wrap_future(self.loop.submit(add))
             return await asyncio.wrap_future(done)
         except asyncio.CancelledError:
-            await self.abort(request_id)
+            # Shielded: the abort must reach the loop even though this task is being cancelled.
+            await asyncio.shield(self.abort(request_id))
             raise
 
     async def abort(self, request_id: str) -> bool:
@@ -154,43 +182,61 @@ class PrefillWorker:
 
     # ------------------------------------------------------- loop thread only
     def _send(self, request_id, first: EngineCoreOutput, address, target: DecodeTarget, done: Future) -> None:
-        block_size = self.core.config.block_size
-        block_ids = self.core.held_block_ids(request_id)[target.num_cached_tokens // block_size:]
-        payload = pack_blocks(self.core.kv_caches, block_ids)
-        self.core.release_blocks(request_id)  # pack_blocks copied them
-        header = make_header(target.ticket_id, first.new_token_ids[0], payload)
+        """Pack and queue the request's blocks; they are released here whatever happens next."""
+        try:
+            block_size = self.core.config.block_size
+            block_ids = self.core.held_block_ids(request_id)[target.num_cached_tokens // block_size:]
+            payload = pack_blocks(self.core.kv_caches, block_ids)
+        finally:
+            self.core.release_blocks(request_id)  # pack_blocks copied them (or failed)
+        if done.done():  # the client left while the prompt was computed: nothing to send
+            return
         if payload.shape[2] != target.num_blocks:
-            done.set_exception(TransferFailed(
+            _settle(done, error=TransferFailed(
                 f"ticket {target.ticket_id}: decode reserved {target.num_blocks} blocks, prompt has "
                 f"{payload.shape[2]} after its cached prefix"))
             return
         sender = self.channels.get(address)
         if sender is None:
-            done.set_exception(TransferFailed(f"no channel to {target.decode_address}"))
+            _settle(done, error=TransferFailed(f"no channel to {target.decode_address}"))
             return
-        sender.send(header, payload.contiguous())
+        header = make_header(target.ticket_id, first.new_token_ids[0], payload)
+        try:
+            sender.send(header, payload.contiguous())
+        except Exception as exc:  # a closed sender, a ticket still outstanding: this request only
+            _settle(done, error=TransferFailed(f"could not send ticket {target.ticket_id}: {exc}"))
+            return
         self._in_flight[target.ticket_id] = _InFlight(
             request_id, done, first, first.num_cached_tokens, payload.shape[2], time.perf_counter(),
             (target.decode_address, target.incarnation))
 
     def _poll_transfers(self) -> None:
+        """Settle every finished transfer's request; each is handled on its own, so a request
+        whose client left (its future cancelled) never hides the results polled with it."""
         for result in self.channels.poll():
             flight = self._in_flight.pop(result.ticket_id, None)
             if flight is None:
                 continue
-            if result.state is TransferState.FAILED:
-                # The channel is gone; the next request to that decode worker opens a new one.
-                self._addresses.pop(flight.channel_key, None)
-                flight.future.set_exception(TransferFailed(result.error or "transfer failed"))
-                continue
-            self.transfers += 1
-            self.transfer_bytes += result.nbytes
-            self.transfer_seconds += result.seconds
-            flight.future.set_result(PrefillResult(
-                first_token_id=flight.first.new_token_ids[0],
-                first_logprobs=flight.first.logprobs,
-                num_cached_tokens=flight.num_cached_tokens,
-                nbytes=result.nbytes,
-                seconds=result.seconds,
-                num_blocks=flight.num_blocks,
-            ))
+            try:
+                self._finish_transfer(flight, result)
+            except Exception:
+                logger.exception("settling the transfer of %s failed", flight.request_id)
+                _settle(flight.future, error=TransferFailed("internal error while finishing the transfer"))
+
+    def _finish_transfer(self, flight: _InFlight, result) -> None:
+        if result.state is TransferState.FAILED:
+            # The channel is gone; the next request to that decode worker opens a new one.
+            self._addresses.pop(flight.channel_key, None)
+            _settle(flight.future, error=TransferFailed(result.error or "transfer failed"))
+            return
+        self.transfers += 1
+        self.transfer_bytes += result.nbytes
+        self.transfer_seconds += result.seconds
+        _settle(flight.future, PrefillResult(
+            first_token_id=flight.first.new_token_ids[0],
+            first_logprobs=flight.first.logprobs,
+            num_cached_tokens=flight.num_cached_tokens,
+            nbytes=result.nbytes,
+            seconds=result.seconds,
+            num_blocks=flight.num_blocks,
+        ))

@@ -5,19 +5,22 @@ For one backend request:
      KV cache (400 with the numbers);
   2. admission (router/admission.py): choose (prefill, decode) from the cluster snapshot (a
      pure policy) and call Decode on the decode worker -> its first event is the ticket, or
-     RESOURCE_EXHAUSTED (then the next decode worker is tried); nobody has room -> wait in the
-     router's FIFO queue, or 503 + Retry-After when the queue's bounds are hit;
+     its marked no-room refusal (then the next decode worker is tried); nobody has room -> wait
+     in the router's FIFO queue, or 503 + Retry-After when the queue's bounds are hit; any
+     other refusal is the request's own error at once (it never holds the queue);
   3. Prefill RPC with the ticket on the prefill worker -> first token; a prefill worker
      that fails is replaced by the next one with the same ticket; when none is left, the
      reservation is dropped and the decode worker prefills the prompt itself (a counted
      fallback, path "colocated");
   4. the first token goes to the client, then the decode stream's tokens.
 Leaving early (client gone, stop string, error) aborts the request on both workers. Every end
-tells the admission queue how many blocks were freed.
+tells the admission queue how many blocks were freed. Every call has a deadline
+(router/worker_calls.py): a decode stream silent for stream_idle_s ends with an explicit error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections import Counter
@@ -34,6 +37,8 @@ from router.cluster_state import ClusterSnapshot
 from router.errors import InvalidRequest, Overloaded, WorkerFailure
 from router.policy import RouteDecision, RouteRequest, prompt_blocks
 from router.types import TokenLogprobs
+from router.worker_calls import (
+    WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within, request_error)
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +112,15 @@ class ClusterBackend:
         rng: random.Random | None = None,
         admission: AdmissionQueue | None = None,
         route_request: RouteRequestBuilder = plain_route_request,
+        timeouts: WorkerTimeouts = WorkerTimeouts(),
     ) -> None:
         self._snapshot = snapshot
         self._choose = choose
         self._route_request = route_request
         self._ticket_timeout_ms = int(ticket_timeout_s * 1000)
+        self.timeouts = timeouts
+        self._background: set[asyncio.Task] = set()
+        """Aborts sent to silent workers, not awaited by the request they end."""
         self._rng = rng or random.Random()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._placements: dict[str, _Placement] = {}
@@ -136,6 +145,8 @@ class ClusterBackend:
         return channel
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -152,7 +163,7 @@ class ClusterBackend:
         admitted, queue_s = await self.admission.admit(
             lambda: self._try_admit(request), prompt_blocks(len(prompt), block_size))
         generated = 0
-        finished = False
+        finished = silent = False
         try:
             route = self._route_info(admitted, queue_s, None)
             path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
@@ -168,8 +179,10 @@ class ClusterBackend:
                     generated += len(first.token_ids)
                     yield _with(first, route=route)
                     route = None
-            stream = admitted.stream
-            while (event := await stream.read()) is not grpc.aio.EOF:  # read() only: no mixing
+            stream, wait_s = admitted.stream, self._first_read_s(path)
+            while (event := await read_within(stream, wait_s, f"decode worker {admitted.decode_id}")) \
+                    is not grpc.aio.EOF:  # read() only: no mixing
+                wait_s = self.timeouts.stream_idle_s
                 delta = _delta(event, path, route)
                 route = None
                 generated += len(delta.token_ids)
@@ -178,16 +191,32 @@ class ClusterBackend:
                 if finished:
                     return
             raise WorkerFailure("the decode worker ended the stream before the request finished")
+        except WorkerSilent:
+            silent = True
+            raise
         except grpc.aio.AioRpcError as exc:
             raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
         finally:
             self._prefill_tokens.pop(request.request_id, None)
             placement = self._placements.get(request.request_id)
-            if not finished:
+            if silent and placement is not None:  # its abort may wait out its deadline: the client hears now
+                self._in_background(self._abort_placement(request.request_id, placement))
+            elif not finished:
                 await self.abort(request.request_id)
             self._placements.pop(request.request_id, None)
             if placement is not None:
                 self.admission.blocks_freed(prompt_blocks(len(prompt) + generated, placement.block_size))
+
+    def _first_read_s(self, path: str) -> float:
+        """After a local admission the decode worker computes the prompt before its first token."""
+        if path == PATH_COLOCATED:
+            return max(self.timeouts.prefill_s, self.timeouts.stream_idle_s)
+        return self.timeouts.stream_idle_s
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _route_info(self, admitted: _Admitted, queue_s: float, fallback: str | None) -> RouteInfo:
         d = admitted.decision
@@ -253,16 +282,22 @@ class ClusterBackend:
                 sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
                 local_prefill=local))
             try:
-                first = await stream.read()
+                first = await read_within(stream, self.timeouts.stream_idle_s, f"decode worker {worker_id}")
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if is_no_room(exc):
                     self.transfers.decode_rejections += 1
                     continue
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequest(exc.details() or "invalid request") from exc
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # gone: the others may take it
                     continue
-                raise WorkerFailure(f"decode worker {worker_id}: {exc.code().name}: {exc.details()}") from exc
+                raise decode_call_error(exc, worker_id) from exc
+            except WorkerSilent as exc:  # stopped or wedged: the others may take it
+                logger.warning("%s; trying the next decode worker", exc)
+                self._in_background(self._abort_on(worker_pb2_grpc.DecodeWorkerStub, info.address,
+                                                   request.request_id))
+                continue
+            except BaseException:  # cancelled while waiting: the stream must not outlive us
+                stream.cancel()
+                raise
             if first is grpc.aio.EOF or not first.HasField("ticket"):
                 stream.cancel()
                 raise WorkerFailure(f"decode worker {worker_id} answered without a ticket")
@@ -298,10 +333,10 @@ class ClusterBackend:
             try:
                 reply = await stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                    sampling=params_to_proto(request.params), ticket=ticket))
+                    sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequest(exc.details() or "invalid request") from exc
+                if (error := request_error(exc)) is not None:  # another prefill worker would refuse it too
+                    raise error from exc
                 self.transfers.prefill_retries += 1
                 logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
                                request.request_id, worker_id, exc.code().name, exc.details())
@@ -320,17 +355,22 @@ class ClusterBackend:
 
     async def abort(self, request_id: str) -> None:
         placement = self._placements.pop(request_id, None)
-        if placement is None:
-            return
+        if placement is not None:
+            await self._abort_placement(request_id, placement)
+
+    async def _abort_placement(self, request_id: str, placement: _Placement) -> None:
         calls = [(worker_pb2_grpc.DecodeWorkerStub, placement.decode_address)]
         if placement.prefill_address:
             calls.append((worker_pb2_grpc.PrefillWorkerStub, placement.prefill_address))
         for stub_type, address in calls:
-            try:
-                await stub_type(self._channel(address)).Abort(
-                    worker_pb2.AbortRequest(request_id=request_id), timeout=5)
-            except grpc.aio.AioRpcError as exc:  # the worker may be gone; nothing to free there
-                logger.info("abort of %s on %s failed: %s", request_id, address, exc.code().name)
+            await self._abort_on(stub_type, address, request_id)
+
+    async def _abort_on(self, stub_type, address: str, request_id: str) -> None:
+        try:
+            await stub_type(self._channel(address)).Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=self.timeouts.abort_s)
+        except grpc.aio.AioRpcError as exc:  # the worker may be gone; nothing to free there
+            logger.info("abort of %s on %s failed: %s", request_id, address, exc.code().name)
 
 
 def _delta(event, path: str, route: RouteInfo | None) -> TokenDelta:
