@@ -101,7 +101,8 @@ class TorchDistSender(KVSender):
             self._backend.prepare_thread()
             store = wire.channel_store(self.address.host, self.address.port,
                                        self.address.channel_id, self._config.connect_timeout_s)
-            store.set(wire.ring_key(0), wire.HELLO)
+            wire.prove(store, self._config.secret, self.address.channel_id,
+                       self._config.connect_timeout_s)
             group = self._backend.make_group(store, wire.RANK_P)
             store.set_timeout(wire.seconds(self._config.timeout_s))
         except Exception as e:  # noqa: BLE001 - any failure to join breaks the channel

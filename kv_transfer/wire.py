@@ -3,14 +3,26 @@
 One channel = one 2-rank process group (P is rank 0, D rank 1) plus a doorbell in the
 TCPStore that D hosts, under the channel's key prefix:
 
-    P                                   D (channel thread)
-    set ring/0 = "hello"; join group    wait ring/0; join group
+    P                                   D
+                                        open_channel: set auth/nonce = random (per channel)
+    get auth/nonce                      (channel thread)
+    set ring/0 = "hello " + proof(P)    wait ring/0; check proof(P), constant time
+                                          wrong: set auth/reply = "refused", log, drop channel
+    wait auth/reply == proof(D)           right: set auth/reply = proof(D)
+    join group                          join group; delete auth/*
     per transfer n = 1, 2, ...:
       set ring/n = "xfer"               wait ring/n (idle here, never in a gloo recv)
       send header  (TAG_HEADER)         recv header: HEADER_LEN int64
       send payload (TAG_PAYLOAD)        recv payload: shape/dtype from the header
       recv ack     (TAG_ACK)            send ack = (ticket_id, nbytes)
     set ring/n = "close" on close       either side may ring "close"
+
+Why the handshake: anyone on the host can connect to D's store, and the channel id (a uuid4,
+handed to P over authenticated gRPC) is the only other thing guarding it. proof(side) =
+HMAC(cluster secret, "kv-channel", channel id, nonce, side): it shows the peer holds the secret
+without sending it, cannot be replayed on another channel (fresh nonce), and P's and D's
+proofs differ, so neither can be reflected back as the other's. D joins the group only after
+P proved itself, so a peer without the secret never gets a gloo/NCCL connection from D.
 
 Why a doorbell: a gloo recv that times out poisons the whole group, so D must not sit in a
 recv while idle; the store wait is interruptible (close rings it) and costs nothing.
@@ -20,11 +32,15 @@ Everything on the wire is raw tensor bytes; nothing is pickled.
 from __future__ import annotations
 
 import datetime
+import hmac
+import secrets
 import socket
 import time
 
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
+
+from proto.auth import sign
 
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
@@ -34,6 +50,9 @@ RANK_D = 1
 HELLO = b"hello"
 XFER = b"xfer"
 CLOSE = b"close"
+REFUSED = b"refused"
+NONCE_KEY = "auth/nonce"
+REPLY_KEY = "auth/reply"
 IDLE_WAIT = datetime.timedelta(days=1)  # store waits are re-armed; poll() ms must fit int32
 
 
@@ -58,6 +77,50 @@ def host_store(host: str, timeout_s: float) -> TCPStore:
 def channel_store(host: str, port: int, channel_id: str, timeout_s: float) -> Store:
     """A client of D's store, scoped to one channel's keys. Blocks until connected."""
     return PrefixStore(channel_id, TCPStore(host, port, None, False, seconds(timeout_s)))
+
+
+def new_nonce() -> bytes:
+    return secrets.token_hex(16).encode()
+
+
+def proof(secret: bytes, channel_id: str, nonce: bytes, side: str) -> bytes:
+    """What `side` ("P" or "D") shows to prove the cluster secret on one channel."""
+    return sign(secret, "kv-channel", channel_id, nonce, side).encode()
+
+
+def hello(secret: bytes, channel_id: str, nonce: bytes) -> bytes:
+    """P's ring/0 value."""
+    return HELLO + b" " + proof(secret, channel_id, nonce, "P")
+
+
+def hello_ok(secret: bytes, channel_id: str, nonce: bytes, value: bytes) -> bool:
+    """Whether ring/0's value proves the secret (constant time in the proof)."""
+    return hmac.compare_digest(value, hello(secret, channel_id, nonce))
+
+
+def reply_ok(secret: bytes, channel_id: str, nonce: bytes, value: bytes) -> bool:
+    """Whether D's auth/reply proves the secret (constant time in the proof)."""
+    return hmac.compare_digest(value, proof(secret, channel_id, nonce, "D"))
+
+
+def prove(store: Store, secret: bytes | None, channel_id: str, timeout_s: float) -> None:
+    """P's side of the handshake: prove the cluster secret to D, and check D's proof. Raises
+    RuntimeError when D refused or did not prove it, DistStoreError when D stayed silent."""
+    if secret is None:
+        raise RuntimeError("a torch.distributed channel needs the cluster secret")
+    nonce = wait_get(store, NONCE_KEY, seconds(timeout_s))
+    store.set(ring_key(0), hello(secret, channel_id, nonce))
+    reply = wait_get(store, REPLY_KEY, seconds(timeout_s))
+    if reply == REFUSED:
+        raise RuntimeError("the decode worker refused this channel: the cluster secrets differ")
+    if not reply_ok(secret, channel_id, nonce, reply):
+        raise RuntimeError("the channel's host did not prove the cluster secret")
+
+
+def wait_get(store: Store, key: str, timeout: datetime.timedelta) -> bytes:
+    """Block until `key` is set, then read it (left in place). Raises DistStoreError on timeout."""
+    store.wait([key], timeout)
+    return store.get(key)
 
 
 def wait_ring(store: Store, seq: int, timeout: datetime.timedelta) -> bytes:

@@ -75,7 +75,9 @@ def build_service(args: argparse.Namespace):
     from router.local_prefill import LocalPrefillRule, WithLocalPrefill
     from router.policy import CacheAware, CacheAwareWeights, make_policy
     from router.service import RouterService
+    from proto.internal_auth import require_cluster_secret
 
+    secret = require_cluster_secret("pdserve router")  # before the model loads: fail fast
     model_path = resolve_model_path(args.model)
     spec = read_spec(model_path)
     tokenizer = load_tokenizer(args.tokenizer or model_path)
@@ -93,7 +95,8 @@ def build_service(args: argparse.Namespace):
     if args.local_prefill_max_tokens:
         policy = WithLocalPrefill(policy, LocalPrefillRule(args.local_prefill_max_tokens, args.local_prefill_min_queue))
     backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
-                             admission=admission, route_request=builder)
+                             admission=admission, route_request=builder,
+                             secret=secret)
     backend.kv_reader = kv_reader
     service = RouterService(tokenizer, backend, name, max_model_len)
     service.metrics.registry.register(ClusterCollector(backend, reader, name, kv_reader))
