@@ -136,7 +136,9 @@ class _Channel:
             group = self._backend.make_group(store, wire.RANK_D)
             for key in (wire.NONCE_KEY, wire.REPLY_KEY):  # P read both before joining
                 store.delete_key(key)
-        except Exception as e:  # noqa: BLE001 - nobody joined, or joining failed
+            wire.exchange_group_proofs(group, c.secret, a.channel_id, self._nonce, wire.RANK_D,
+                                       c.device, c.timeout_s)
+        except Exception as e:  # noqa: BLE001 - nobody joined, joining failed, or a bad proof
             log.warning("kv channel %s closed before a prefill worker joined: %s", a.channel_id, e)
             return
         seq = self._next_seq()

@@ -10,6 +10,8 @@ TCPStore that D hosts, under the channel's key prefix:
                                           wrong: set auth/reply = "refused", log, drop channel
     wait auth/reply == proof(D)           right: set auth/reply = proof(D)
     join group                          join group; delete auth/*
+    send group_proof(P)   (TAG_PROOF)   recv group_proof(P); check it, else drop the group
+    recv group_proof(D); check it       send group_proof(D)
     per transfer n = 1, 2, ...:
       set ring/n = "xfer"               wait ring/n (idle here, never in a gloo recv)
       send header  (TAG_HEADER)         recv header: HEADER_LEN int64
@@ -22,7 +24,10 @@ handed to P over authenticated gRPC) is the only other thing guarding it. proof(
 HMAC(cluster secret, "kv-channel", channel id, nonce, side): it shows the peer holds the secret
 without sending it, cannot be replayed on another channel (fresh nonce), and P's and D's
 proofs differ, so neither can be reflected back as the other's. D joins the group only after
-P proved itself, so a peer without the secret never gets a gloo/NCCL connection from D.
+P proved itself. The store accepts any client on the host and lists its keys, so a rogue one
+could still race to overwrite a rank's address during the group's own rendezvous and sit at
+one end of the group: hence the second pair of proofs, over the group's own connection, with
+values that never appear in the store. Neither side sends KV or accepts KV before it.
 
 Why a doorbell: a gloo recv that times out poisons the whole group, so D must not sit in a
 recv while idle; the store wait is interruptible (close rings it) and costs nothing.
@@ -45,6 +50,7 @@ from proto.auth import sign
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
 TAG_ACK = 3
+TAG_PROOF = 4
 RANK_P = 0
 RANK_D = 1
 HELLO = b"hello"
@@ -103,9 +109,10 @@ def reply_ok(secret: bytes, channel_id: str, nonce: bytes, value: bytes) -> bool
     return hmac.compare_digest(value, proof(secret, channel_id, nonce, "D"))
 
 
-def prove(store: Store, secret: bytes | None, channel_id: str, timeout_s: float) -> None:
-    """P's side of the handshake: prove the cluster secret to D, and check D's proof. Raises
-    RuntimeError when D refused or did not prove it, DistStoreError when D stayed silent."""
+def prove(store: Store, secret: bytes | None, channel_id: str, timeout_s: float) -> bytes:
+    """P's side of the handshake: prove the cluster secret to D, and check D's proof; the
+    channel's nonce. Raises RuntimeError when D refused or did not prove it, DistStoreError
+    when D stayed silent."""
     if secret is None:
         raise RuntimeError("a torch.distributed channel needs the cluster secret")
     nonce = wait_get(store, NONCE_KEY, seconds(timeout_s))
@@ -115,6 +122,38 @@ def prove(store: Store, secret: bytes | None, channel_id: str, timeout_s: float)
         raise RuntimeError("the decode worker refused this channel: the cluster secrets differ")
     if not reply_ok(secret, channel_id, nonce, reply):
         raise RuntimeError("the channel's host did not prove the cluster secret")
+    return nonce
+
+
+def group_proof(secret: bytes, channel_id: str, nonce: bytes, side: str,
+                device: torch.device | str) -> torch.Tensor:
+    """`side`'s proof over the group: 32 HMAC bytes as 4 int64 (a type every backend sends)."""
+    digest = bytes.fromhex(sign(secret, "kv-group", channel_id, nonce, side))
+    return torch.tensor([int.from_bytes(digest[i:i + 8], "big", signed=True) for i in range(0, 32, 8)],
+                        dtype=torch.int64, device=device)
+
+
+def exchange_group_proofs(group: torch.distributed.ProcessGroup, secret: bytes, channel_id: str,
+                          nonce: bytes, rank: int, device: torch.device | str,
+                          timeout_s: float) -> None:
+    """Both ends prove the secret over the group's own connection: P sends first, D answers
+    only a valid proof. Raises RuntimeError when the peer's proof is wrong or late."""
+    mine, peer = ("P", "D") if rank == RANK_P else ("D", "P")
+    other = RANK_D if rank == RANK_P else RANK_P
+    deadline = Deadline(timeout_s)
+    got = torch.empty(4, dtype=torch.int64, device=device)
+    if rank == RANK_P:
+        deadline.wait(group.send([group_proof(secret, channel_id, nonce, mine, device)], other, TAG_PROOF))
+    deadline.wait(group.recv([got], other, TAG_PROOF))
+    expected = group_proof(secret, channel_id, nonce, peer, device)
+    if not hmac.compare_digest(_bytes(got), _bytes(expected)):
+        raise RuntimeError(f"the peer in the group did not prove the cluster secret ({peer} side)")
+    if rank == RANK_D:
+        deadline.wait(group.send([group_proof(secret, channel_id, nonce, mine, device)], other, TAG_PROOF))
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return b"".join(int(v).to_bytes(8, "big", signed=True) for v in t.tolist())
 
 
 def wait_get(store: Store, key: str, timeout: datetime.timedelta) -> bytes:

@@ -235,3 +235,23 @@ def test_a_raw_store_client_saying_hello_without_a_proof_never_gets_a_group(rece
     assert wire.wait_get(store, wire.REPLY_KEY, wire.seconds(5.0)) == wire.REFUSED
     assert wait_thread_gone(address)
     assert receiver.poll() == []
+
+
+def test_a_peer_in_the_group_without_the_group_proof_is_dropped_before_any_kv(receiver, caplog):
+    """What a rogue store client that won the group's rendezvous race would look like to D:
+    it joins the group but cannot prove the secret over it (here: sends zeros)."""
+    from kv_transfer import wire
+
+    address = receiver.open_channel()
+    store = wire.channel_store(address.host, address.port, address.channel_id, 5.0)
+    wire.prove(store, SECRET, address.channel_id, 5.0)
+    group = gloo().make_group(store, wire.RANK_P)
+    group.send([torch.zeros(4, dtype=torch.int64)], wire.RANK_D, wire.TAG_PROOF).wait()
+    answer = torch.empty(4, dtype=torch.int64)
+    with pytest.raises(RuntimeError):  # D dropped the group instead of answering with its proof
+        group.recv([answer], wire.RANK_D, wire.TAG_PROOF).wait(wire.seconds(5.0))
+    assert wait_thread_gone(address)
+    assert receiver.poll() == []
+    assert [r.getMessage() for r in caplog.records if "closed before" in r.getMessage()] == [
+        f"kv channel {address.channel_id} closed before a prefill worker joined: the peer in the "
+        "group did not prove the cluster secret (P side)"]

@@ -80,8 +80,9 @@ def prefill_dies_after_header_main() -> None:
     host, port, channel_id = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     backend = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(connect_timeout_s=10.0, secret=SECRET))
     store = wire.channel_store(host, port, channel_id, 10.0)
-    wire.prove(store, SECRET, channel_id, 10.0)
+    nonce = wire.prove(store, SECRET, channel_id, 10.0)
     group = backend.make_group(store, wire.RANK_P)
+    wire.exchange_group_proofs(group, SECRET, channel_id, nonce, wire.RANK_P, "cpu", 10.0)
     store.set(wire.ring_key(1), wire.XFER)
     header = make_header(3, 0, pack_blocks(pattern_caches(), PLAN[3][0]))
     group.send([wire.header_tensor(header.to_ints(), "cpu")], wire.RANK_D, wire.TAG_HEADER).wait()
