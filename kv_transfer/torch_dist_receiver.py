@@ -128,17 +128,23 @@ class _Channel:
 
     def _run(self) -> None:
         a, c = self.address, self._config
+        store, admitted = None, False
         try:
             self._backend.prepare_thread()
             store = wire.channel_store(a.host, a.port, a.channel_id, c.connect_timeout_s)
-            if not self._admit(store, wire.wait_ring(store, 0, wire.seconds(c.connect_timeout_s))):
-                return
-            group = self._backend.make_group(store, wire.RANK_D)
-            for key in (wire.NONCE_KEY, wire.REPLY_KEY):  # P read both before joining
-                store.delete_key(key)
+            admitted = self._admit(store, wire.wait_ring(store, 0, wire.seconds(c.connect_timeout_s)))
+            group = self._backend.make_group(store, wire.RANK_D) if admitted else None
+        except Exception as e:  # noqa: BLE001 - nobody joined, or joining failed
+            log.warning("kv channel %s closed before a prefill worker joined: %s", a.channel_id, e)
+            group = None
+        finally:  # an admitted P read both before joining; a refused one still reads "refused"
+            _forget(store, (wire.NONCE_KEY, wire.REPLY_KEY) if admitted else (wire.NONCE_KEY,))
+        if group is None:
+            return
+        try:
             wire.exchange_group_proofs(group, c.secret, a.channel_id, self._nonce, wire.RANK_D,
                                        c.device, c.timeout_s)
-        except Exception as e:  # noqa: BLE001 - nobody joined, joining failed, or a bad proof
+        except Exception as e:  # noqa: BLE001 - a wrong or late proof: no KV from this peer
             log.warning("kv channel %s closed before a prefill worker joined: %s", a.channel_id, e)
             return
         seq = self._next_seq()
@@ -209,3 +215,11 @@ class _Channel:
                                 deadline.elapsed())
         self._inbox.append(ReceivedKV(header, payload, result))
         return True
+
+
+def _forget(store: Store | None, keys: tuple[str, ...]) -> None:
+    for key in keys if store is not None else ():
+        try:
+            store.delete_key(key)
+        except Exception as e:  # noqa: BLE001 - the store may be gone already
+            log.debug("could not delete %s: %s", key, e)
