@@ -16,7 +16,8 @@ doubles directly.
 Run as a process (what router_overhead.py does):
     python benchmarks/instant_workers.py --redis-url redis://127.0.0.1:PORT/0 --ready-file F
 It writes "PREFILL_ADDRESS DECODE_ADDRESS" to F once both serve and are registered, and runs
-until SIGINT/SIGTERM, then unregisters.
+until SIGINT/SIGTERM, then unregisters. Like real workers they need the cluster secret
+($PDSERVE_CLUSTER_SECRET or _FILE) and refuse calls that do not prove it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from pdserve.heartbeat import HeartbeatPublisher  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
+from proto.internal_auth import ClusterAuthServerInterceptor, require_cluster_secret  # noqa: E402
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.cluster_keys import WorkerInfo  # noqa: E402
 
@@ -117,7 +119,9 @@ def worker_info(worker_id: str, role: str, address: str, incarnation: str) -> Wo
 
 async def serve(args: argparse.Namespace) -> None:
     incarnation = uuid.uuid4().hex
-    prefill_server, decode_server = grpc.aio.server(), grpc.aio.server()
+    # They check the cluster secret as real workers do, so the router pays the same cost.
+    auth = [ClusterAuthServerInterceptor(require_cluster_secret("instant workers"))]
+    prefill_server, decode_server = grpc.aio.server(interceptors=auth), grpc.aio.server(interceptors=auth)
     prefill_port = prefill_server.add_insecure_port("127.0.0.1:0")
     decode_port = decode_server.add_insecure_port("127.0.0.1:0")
     prefill_addr, decode_addr = f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}"

@@ -45,6 +45,9 @@ from pdserve.bench.datasets import SampleRequest, random_requests  # noqa: E402
 from pdserve.bench.main import first_model  # noqa: E402
 from pdserve.bench.runner import RunSettings, run_benchmark  # noqa: E402
 from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets  # noqa: E402
+from pdserve.redis_server import EmbeddedRedis  # noqa: E402
+from proto.auth import load_cluster_secret  # noqa: E402
+from proto.internal_auth import internal_channel  # noqa: E402
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 START_TIMEOUT_S = 60.0
@@ -141,7 +144,8 @@ async def direct_call(prefill, decode, request_id: str, prompt_ids: list[int], m
 
 async def direct_path(addresses: tuple[str, str], prompts: list[list[int]], max_tokens: int, concurrency: int,
                       router_pid: int, tag: str) -> PathRun:
-    async with grpc.aio.insecure_channel(addresses[0]) as p_chan, grpc.aio.insecure_channel(addresses[1]) as d_chan:
+    secret = load_cluster_secret()  # what the router proves too: the comparison stays fair
+    async with internal_channel(addresses[0], secret) as p_chan, internal_channel(addresses[1], secret) as d_chan:
         prefill, decode = worker_pb2_grpc.PrefillWorkerStub(p_chan), worker_pb2_grpc.DecodeWorkerStub(d_chan)
         queue = list(enumerate(prompts))
         latencies: list[float] = []

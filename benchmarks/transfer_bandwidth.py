@@ -117,8 +117,10 @@ def decode_side(conn, raw_port: int) -> None:
     try:
         from kv_transfer.base import TransferConfig
         from kv_transfer.gloo import GlooBackend
+        from proto.auth import load_cluster_secret
 
-        config = TransferConfig(host=HOST, timeout_s=WIRE_TIMEOUT_S, connect_timeout_s=60.0)
+        config = TransferConfig(host=HOST, timeout_s=WIRE_TIMEOUT_S, connect_timeout_s=60.0,
+                                secret=load_cluster_secret())
         receiver = GlooBackend(config).open_receiver()
         try:
             address = receiver.open_channel()
@@ -170,6 +172,9 @@ class DecodeProcess:
     """P's handle on the D child: start, ask, answer, stop."""
 
     def __init__(self, raw_port: int) -> None:
+        from proto.auth import CLUSTER_SECRET_ENV, generate_secret
+
+        os.environ.setdefault(CLUSTER_SECRET_ENV, generate_secret())  # both ends prove it
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=decode_side, args=(child_conn, raw_port), daemon=True)
@@ -241,6 +246,7 @@ class Bench:
     def __init__(self, shape: KVShape, max_tokens: int, child: DecodeProcess, raw, seed: int) -> None:
         from kv_transfer.base import ChannelAddress, TransferConfig
         from kv_transfer.gloo import GlooBackend
+        from proto.auth import load_cluster_secret
 
         self.shape, self.child, self.raw = shape, child, raw
         self.cache_blocks = shape.blocks(max_tokens) + 64
@@ -249,7 +255,8 @@ class Bench:
                        for layer in range(shape.num_layers)]
         self.rng = random.Random(seed)
         _, host, port, channel_id = child.answer()
-        config = TransferConfig(host=HOST, timeout_s=WIRE_TIMEOUT_S, connect_timeout_s=60.0)
+        config = TransferConfig(host=HOST, timeout_s=WIRE_TIMEOUT_S, connect_timeout_s=60.0,
+                                secret=load_cluster_secret())
         self.sender = GlooBackend(config).connect(ChannelAddress(host, port, channel_id))
         self.tickets = itertools.count(1)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.registry import Registry
@@ -171,6 +171,9 @@ class TransferConfig:
     recv_buffer_pool_bytes: int = 1 << 30
     """Most bytes of recycled payload memory D keeps idle for later transfers (CPU payloads
     only: on a GPU the caching allocator already reuses memory). 0 turns the pool off."""
+    secret: bytes | None = field(default=None, repr=False)
+    """The cluster secret: a prefill worker proves it before D lets it join a channel (wire.py).
+    Required by the network backends (gloo, nccl); None only for the in-process `local` one."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s"):
@@ -178,6 +181,8 @@ class TransferConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_channels <= 0:
             raise ValueError(f"max_channels must be positive, got {self.max_channels}")
+        if self.secret is not None and not self.secret:
+            raise ValueError("secret must be non-empty bytes, or None for the local backend")
         if self.recv_buffer_pool_bytes < 0:
             raise ValueError(
                 f"recv_buffer_pool_bytes must be >= 0, got {self.recv_buffer_pool_bytes}")

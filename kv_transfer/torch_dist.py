@@ -12,13 +12,19 @@ from abc import abstractmethod
 import torch
 from torch.distributed import ProcessGroup, Store
 
-from kv_transfer.base import ChannelAddress, KVTransferBackend
+from kv_transfer.base import ChannelAddress, KVTransferBackend, TransferConfig
 from kv_transfer.torch_dist_receiver import TorchDistReceiver
 from kv_transfer.torch_dist_sender import TorchDistSender
 
 
 class TorchDistBackend(KVTransferBackend):
     name = "torch_dist"
+
+    def __init__(self, config: TransferConfig) -> None:
+        if config.secret is None:
+            raise ValueError(f"the {self.name} KV transfer backend needs the cluster secret "
+                             "(TransferConfig.secret): D admits only peers that prove it")
+        super().__init__(config)
 
     def open_receiver(self) -> TorchDistReceiver:
         """Hosts a TCPStore on a free port of config.host (D side)."""

@@ -1,7 +1,8 @@
 """D's end of the torch.distributed channels: a TCPStore rendezvous and one thread per channel.
 
-Lifecycle of a channel: open_channel() -> thread waits for P's hello (connect_timeout_s) ->
-both join the group -> per transfer: doorbell, header, payload, ack -> a ReceivedKV lands in
+Lifecycle of a channel: open_channel() (sets the channel's nonce) -> thread waits for P's hello
+(connect_timeout_s) -> the hello proves the cluster secret, or the channel is dropped (logged)
+-> both join the group -> per transfer: doorbell, header, payload, ack -> a ReceivedKV lands in
 the inbox that poll() drains -> until either side rings "close", or a wire error breaks it.
 """
 
@@ -56,7 +57,10 @@ class TorchDistReceiver(KVReceiver):
             raise RuntimeError("receiver is closed")
         self._channels = {k: c for k, c in self._channels.items() if c.thread.is_alive()}
         address = ChannelAddress(self.host, self.port, uuid.uuid4().hex)
-        self._channels[address.channel_id] = _Channel(self._backend, address, self._inbox,
+        nonce = wire.new_nonce()
+        # Set before the address leaves D, so P never waits for it.
+        PrefixStore(address.channel_id, self._store).set(wire.NONCE_KEY, nonce)
+        self._channels[address.channel_id] = _Channel(self._backend, address, nonce, self._inbox,
                                                       self._pool)
         return address
 
@@ -90,11 +94,12 @@ class TorchDistReceiver(KVReceiver):
 class _Channel:
     """One P's channel on D: its thread, and the doorbell sequence number it waits on."""
 
-    def __init__(self, backend: TorchDistBackend, address: ChannelAddress,
+    def __init__(self, backend: TorchDistBackend, address: ChannelAddress, nonce: bytes,
                  inbox: deque[ReceivedKV], pool: RecvBufferPool) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
+        self._nonce = nonce
         self._inbox = inbox
         self._pool = pool
         self._lock = threading.Lock()
@@ -123,13 +128,23 @@ class _Channel:
 
     def _run(self) -> None:
         a, c = self.address, self._config
+        store, admitted = None, False
         try:
             self._backend.prepare_thread()
             store = wire.channel_store(a.host, a.port, a.channel_id, c.connect_timeout_s)
-            if wire.wait_ring(store, 0, wire.seconds(c.connect_timeout_s)) != wire.HELLO:
-                return
-            group = self._backend.make_group(store, wire.RANK_D)
+            admitted = self._admit(store, wire.wait_ring(store, 0, wire.seconds(c.connect_timeout_s)))
+            group = self._backend.make_group(store, wire.RANK_D) if admitted else None
         except Exception as e:  # noqa: BLE001 - nobody joined, or joining failed
+            log.warning("kv channel %s closed before a prefill worker joined: %s", a.channel_id, e)
+            group = None
+        finally:  # an admitted P read both before joining; a refused one still reads "refused"
+            _forget(store, (wire.NONCE_KEY, wire.REPLY_KEY) if admitted else (wire.NONCE_KEY,))
+        if group is None:
+            return
+        try:
+            wire.exchange_group_proofs(group, c.secret, a.channel_id, self._nonce, wire.RANK_D,
+                                       c.device, c.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a wrong or late proof: no KV from this peer
             log.warning("kv channel %s closed before a prefill worker joined: %s", a.channel_id, e)
             return
         seq = self._next_seq()
@@ -145,6 +160,20 @@ class _Channel:
             if ring != wire.XFER or not self._receive_one(group):
                 return  # closed, or broken: dropping the group tells P at once
             seq = self._next_seq()
+
+    def _admit(self, store: Store, hello: bytes) -> bool:
+        """Answer P's hello: D's proof when it proves the secret; else "refused", and False."""
+        secret, a = self._config.secret, self.address
+        assert secret is not None, "a torch.distributed channel without the cluster secret"
+        if hello == wire.CLOSE:
+            return False  # closed before anyone joined
+        if not wire.hello_ok(secret, a.channel_id, self._nonce, hello):
+            log.warning("kv channel %s refused a peer whose hello does not prove the cluster "
+                        "secret; channel dropped", a.channel_id)
+            store.set(wire.REPLY_KEY, wire.REFUSED)
+            return False
+        store.set(wire.REPLY_KEY, wire.proof(secret, a.channel_id, self._nonce, "D"))
+        return True
 
     def _next_seq(self) -> int | None:
         """Advance to the next ring; None once stopping."""
@@ -186,3 +215,11 @@ class _Channel:
                                 deadline.elapsed())
         self._inbox.append(ReceivedKV(header, payload, result))
         return True
+
+
+def _forget(store: Store | None, keys: tuple[str, ...]) -> None:
+    for key in keys if store is not None else ():
+        try:
+            store.delete_key(key)
+        except Exception as e:  # noqa: BLE001 - the store may be gone already
+            log.debug("could not delete %s: %s", key, e)

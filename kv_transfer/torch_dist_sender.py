@@ -101,8 +101,11 @@ class TorchDistSender(KVSender):
             self._backend.prepare_thread()
             store = wire.channel_store(self.address.host, self.address.port,
                                        self.address.channel_id, self._config.connect_timeout_s)
-            store.set(wire.ring_key(0), wire.HELLO)
+            c, channel_id = self._config, self.address.channel_id
+            nonce = wire.prove(store, c.secret, channel_id, c.connect_timeout_s)
             group = self._backend.make_group(store, wire.RANK_P)
+            wire.exchange_group_proofs(group, c.secret, channel_id, nonce, wire.RANK_P,
+                                       c.device, c.timeout_s)
             store.set_timeout(wire.seconds(self._config.timeout_s))
         except Exception as e:  # noqa: BLE001 - any failure to join breaks the channel
             self._break(f"could not join channel {self._where()}: {e}")

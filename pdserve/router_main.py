@@ -126,17 +126,18 @@ def build_service(args: argparse.Namespace):
     from router.service import RouterService
     from router.validation import RequestLimits
     from router.worker_calls import WorkerTimeouts
+    from proto.internal_auth import require_cluster_secret
 
+    secret = require_cluster_secret("pdserve router")  # before the model loads: fail fast
     model_path = resolve_model_path(args.model)
     spec = read_spec(model_path)
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model_path.stem)
     max_model_len = args.max_model_len or spec.max_position_embeddings
-    from proto.auth import load_cluster_secret
 
     # Redis credentials come from the environment (router/redis_settings.py); the secret
     # verifies the workers' signed heartbeats.
-    reader = ClusterStateReader(args.redis_url, args.cluster, secret=load_cluster_secret())
+    reader = ClusterStateReader(args.redis_url, args.cluster, secret=secret)
     admission = AdmissionQueue(AdmissionSettings(max_queued=args.max_queued_requests,
                                                  max_wait_s=args.max_queue_wait))
     kv_reader = KVEventReader(args.redis_url, args.cluster) if args.redis_url else None
@@ -151,6 +152,7 @@ def build_service(args: argparse.Namespace):
                              admission=admission, route_request=builder,
                              timeouts=WorkerTimeouts(prefill_s=args.prefill_timeout,
                                                      stream_idle_s=args.stream_idle_timeout))
+                             secret=secret)
     backend.kv_reader = kv_reader
     limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
     service = RouterService(tokenizer, backend, name, max_model_len, limits=limits)

@@ -34,9 +34,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.worker_metrics import serve_metrics
     from pdserve.worker_server import build_worker, serve
+    from proto.internal_auth import require_cluster_secret
 
+    secret = require_cluster_secret(f"pdserve {role}")  # before the model loads: fail fast
     config = engine_config_from_args(args, parser)
-    transfer = TransferConfig(host=args.host, timeout_s=args.transfer_timeout)
+    transfer = TransferConfig(host=args.host, timeout_s=args.transfer_timeout, secret=secret)
     worker = build_worker(role, config, transfer, args.kv_transfer)
     if args.worker_id:
         worker.worker_id = args.worker_id
@@ -73,7 +75,7 @@ def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentPar
               f"http://{args.host}:{metrics_port}/metrics", flush=True)
 
     try:
-        asyncio.run(serve(role, worker, args.host, args.port, on_ready))
+        asyncio.run(serve(role, worker, args.host, args.port, secret, on_ready))
     finally:
         if kv_events is not None:
             kv_events.stop()

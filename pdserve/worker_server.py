@@ -1,4 +1,9 @@
-"""Running one worker process: engine, KV transfer backend, gRPC server, until signalled."""
+"""Running one worker process: engine, KV transfer backend, gRPC server, until signalled.
+
+Every call into the worker services must prove the cluster secret (proto/internal_auth.py);
+health and reflection stay open for probes. The secret also admits a prefill worker to a KV
+data channel (kv_transfer/wire.py), through TransferConfig.secret.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +19,18 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from kv_transfer.base import KV_TRANSFER_BACKENDS, ChannelAddress, TransferConfig
+from proto.internal_auth import ClusterAuthServerInterceptor, internal_channel
+from proto.limits import grpc_message_options
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
 async def open_channel_via_grpc(decode_address: str, prefill_id: str, incarnation: str,
-                                backend: str, timeout_s: float = 30.0) -> ChannelAddress:
-    async with grpc.aio.insecure_channel(decode_address) as channel:
+                                backend: str, secret: bytes, timeout_s: float = 30.0) -> ChannelAddress:
+    """Ask a decode worker for a data channel (an authenticated call: the channel's id is
+    what a rogue client of D's store would need)."""
+    async with internal_channel(decode_address, secret) as channel:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
         reply = await stub.OpenChannel(
             worker_pb2.OpenChannelRequest(prefill_worker_id=prefill_id, prefill_incarnation=incarnation,
@@ -32,7 +41,10 @@ async def open_channel_via_grpc(decode_address: str, prefill_id: str, incarnatio
 
 
 def build_worker(role: str, config: EngineConfig, transfer: TransferConfig, backend_name: str):
-    """A started worker object for `role` ("prefill" or "decode")."""
+    """A started worker object for `role` ("prefill" or "decode"). A prefill worker opens its
+    channels with transfer.secret, the cluster secret (required)."""
+    if role == "prefill" and transfer.secret is None:
+        raise ValueError("a prefill worker needs the cluster secret (TransferConfig.secret)")
     backend = KV_TRANSFER_BACKENDS.get(backend_name)(transfer)
     if role == "decode":
         from decode_worker.worker import DecodeWorker
@@ -47,7 +59,8 @@ def build_worker(role: str, config: EngineConfig, transfer: TransferConfig, back
 
         async def opener(address: str) -> ChannelAddress:
             w = holder["worker"]
-            return await open_channel_via_grpc(address, w.worker_id, w.incarnation, backend_name)
+            return await open_channel_via_grpc(address, w.worker_id, w.incarnation, backend_name,
+                                               transfer.secret)
 
         worker = PrefillWorker(core, ChannelPool(backend), opener, backend_name=backend_name)
         holder["worker"] = worker
@@ -57,9 +70,11 @@ def build_worker(role: str, config: EngineConfig, transfer: TransferConfig, back
     return worker
 
 
-async def serve(role: str, worker, host: str, port: int, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve `worker` over gRPC on host:port until SIGINT/SIGTERM."""
-    server = grpc.aio.server()
+async def serve(role: str, worker, host: str, port: int, secret: bytes,
+                on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve `worker` over gRPC on host:port until SIGINT/SIGTERM; callers must prove `secret`."""
+    # Message limits above anything the router accepts (a 2 MiB request's prompt, stops, logprobs).
+    server = grpc.aio.server(interceptors=[ClusterAuthServerInterceptor(secret)], options=grpc_message_options())
     bound = server.add_insecure_port(f"{host}:{port}")
     address = f"{host}:{bound}"
     if role == "decode":

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from proto.convert import params_to_proto
+from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.admission import AdmissionQueue, AdmissionSettings
 from router.backend import BackendRequest, RouteInfo, TokenDelta
@@ -113,7 +114,11 @@ class ClusterBackend:
         admission: AdmissionQueue | None = None,
         route_request: RouteRequestBuilder = plain_route_request,
         timeouts: WorkerTimeouts = WorkerTimeouts(),
+        secret: bytes | None = None,
     ) -> None:
+        """secret: the cluster secret every call to a worker proves (proto/internal_auth.py);
+        None only for tests whose workers are in-process doubles without the check."""
+        self._secret = secret
         self._snapshot = snapshot
         self._choose = choose
         self._route_request = route_request
@@ -141,7 +146,9 @@ class ClusterBackend:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = (
+                grpc.aio.insecure_channel(address) if self._secret is None
+                else internal_channel(address, self._secret))
         return channel
 
     async def close(self) -> None:

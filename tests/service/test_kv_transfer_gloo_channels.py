@@ -18,12 +18,15 @@ from kv_transfer.base import (
 )
 from kv_transfer.packing import make_header
 from kv_transfer.pool import ChannelPool
+from proto.auth import load_cluster_secret
+
+SECRET = load_cluster_secret()  # tests/conftest.py sets it for the run
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def gloo(timeout_s: float = 5.0, connect_timeout_s: float = 5.0):
-    config = TransferConfig(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+    config = TransferConfig(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, secret=SECRET)
     return KV_TRANSFER_BACKENDS.get("gloo")(config)
 
 
@@ -186,3 +189,69 @@ def test_a_channel_idle_for_longer_than_its_timeouts_still_delivers():
     finally:
         sender.close()
         receiver.close()
+
+
+def wait_thread_gone(address: ChannelAddress, limit_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while recv_threads_alive(address) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not recv_threads_alive(address)
+
+
+def test_a_peer_with_the_wrong_secret_is_refused_while_the_right_one_joins_the_same_receiver(
+        receiver, caplog):
+    wrong = KV_TRANSFER_BACKENDS.get("gloo")(
+        TransferConfig(timeout_s=5.0, connect_timeout_s=5.0, secret=b"not-the-cluster-secret"))
+    bad_address, good_address = receiver.open_channel(), receiver.open_channel()
+    bad, good = wrong.connect(bad_address), gloo().connect(good_address)
+    data = payload(3)
+    try:
+        bad.send(make_header(1, 0, data), data)
+        (failed,) = drain(bad.poll, 1)
+        where = f"{bad_address.host}:{bad_address.port}/{bad_address.channel_id}"
+        assert (failed.ticket_id, failed.state, failed.error) == (
+            1, TransferState.FAILED, f"could not join channel {where}: the decode worker refused "
+                                     "this channel: the cluster secrets differ")
+        assert wait_thread_gone(bad_address)
+        good.send(make_header(2, 7, data), data)
+        assert [(r.ticket_id, r.state) for r in drain(good.poll, 1)] == [(2, TransferState.DONE)]
+        (got,) = drain(receiver.poll, 1)
+        assert (got.header.ticket_id, got.header.first_token_id) == (2, 7)
+        assert torch.equal(got.payload, data)
+    finally:
+        bad.close()
+        good.close()
+    refusals = [r.getMessage() for r in caplog.records if "refused a peer" in r.getMessage()]
+    assert refusals == [f"kv channel {bad_address.channel_id} refused a peer whose hello does not "
+                        "prove the cluster secret; channel dropped"]
+
+
+def test_a_raw_store_client_saying_hello_without_a_proof_never_gets_a_group(receiver):
+    from kv_transfer import wire
+
+    address = receiver.open_channel()
+    store = wire.channel_store(address.host, address.port, address.channel_id, 5.0)
+    store.set(wire.ring_key(0), wire.HELLO)  # the pre-authentication protocol's hello
+    assert wire.wait_get(store, wire.REPLY_KEY, wire.seconds(5.0)) == wire.REFUSED
+    assert wait_thread_gone(address)
+    assert receiver.poll() == []
+
+
+def test_a_peer_in_the_group_without_the_group_proof_is_dropped_before_any_kv(receiver, caplog):
+    """What a rogue store client that won the group's rendezvous race would look like to D:
+    it joins the group but cannot prove the secret over it (here: sends zeros)."""
+    from kv_transfer import wire
+
+    address = receiver.open_channel()
+    store = wire.channel_store(address.host, address.port, address.channel_id, 5.0)
+    wire.prove(store, SECRET, address.channel_id, 5.0)
+    group = gloo().make_group(store, wire.RANK_P)
+    group.send([torch.zeros(4, dtype=torch.int64)], wire.RANK_D, wire.TAG_PROOF).wait()
+    answer = torch.empty(4, dtype=torch.int64)
+    with pytest.raises(RuntimeError):  # D dropped the group instead of answering with its proof
+        group.recv([answer], wire.RANK_D, wire.TAG_PROOF).wait(wire.seconds(5.0))
+    assert wait_thread_gone(address)
+    assert receiver.poll() == []
+    assert [r.getMessage() for r in caplog.records if "closed before" in r.getMessage()] == [
+        f"kv channel {address.channel_id} closed before a prefill worker joined: the peer in the "
+        "group did not prove the cluster secret (P side)"]

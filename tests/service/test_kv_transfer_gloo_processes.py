@@ -22,6 +22,9 @@ import torch
 
 from kv_transfer.base import KV_TRANSFER_BACKENDS, ChannelAddress, TransferConfig, TransferState
 from kv_transfer.packing import make_header, pack_blocks, unpack_blocks
+from proto.auth import load_cluster_secret
+
+SECRET = load_cluster_secret()  # tests/conftest.py sets it for the run
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS, BLOCK, HEADS, DIM, CACHE_BLOCKS = 30, 16, 3, 64, 80
@@ -44,7 +47,7 @@ def pattern_caches(num_blocks: int = CACHE_BLOCKS) -> list[torch.Tensor]:
 def decode_main() -> None:
     """The child: D. Reports each ReceivedKV until stdin closes or 60 s pass."""
     config = TransferConfig(host="127.0.0.1", timeout_s=float(sys.argv[1]),
-                            connect_timeout_s=10.0)
+                            connect_timeout_s=10.0, secret=SECRET)
     receiver = KV_TRANSFER_BACKENDS.get("gloo")(config).open_receiver()
     quit_event = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), quit_event.set()), daemon=True).start()
@@ -75,10 +78,11 @@ def prefill_dies_after_header_main() -> None:
     from kv_transfer import wire
 
     host, port, channel_id = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    backend = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(connect_timeout_s=10.0))
+    backend = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(connect_timeout_s=10.0, secret=SECRET))
     store = wire.channel_store(host, port, channel_id, 10.0)
-    store.set(wire.ring_key(0), wire.HELLO)
+    nonce = wire.prove(store, SECRET, channel_id, 10.0)
     group = backend.make_group(store, wire.RANK_P)
+    wire.exchange_group_proofs(group, SECRET, channel_id, nonce, wire.RANK_P, "cpu", 10.0)
     store.set(wire.ring_key(1), wire.XFER)
     header = make_header(3, 0, pack_blocks(pattern_caches(), PLAN[3][0]))
     group.send([wire.header_tensor(header.to_ints(), "cpu")], wire.RANK_D, wire.TAG_HEADER).wait()
@@ -149,7 +153,7 @@ def wait_results(sender, count: int, limit_s: float) -> list:
 @pytest.mark.timeout(120)
 def test_three_transfers_arrive_exactly_in_another_process(decode_child):
     child = decode_child()
-    sender = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=10.0)).connect(
+    sender = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=10.0, secret=SECRET)).connect(
         child.address())
     src = pattern_caches()
     try:
@@ -172,7 +176,7 @@ def test_three_transfers_arrive_exactly_in_another_process(decode_child):
 @pytest.mark.timeout(60)
 def test_sending_to_a_decode_worker_that_died_fails_within_the_timeout(decode_child):
     child = decode_child()
-    sender = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=5.0)).connect(
+    sender = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=5.0, secret=SECRET)).connect(
         child.address())
     src = pattern_caches()
     try:
@@ -200,7 +204,7 @@ def test_sending_to_a_decode_worker_that_died_fails_within_the_timeout(decode_ch
 @pytest.mark.timeout(60)
 def test_sending_to_a_stalled_decode_worker_times_out_instead_of_hanging(decode_child):
     child = decode_child()
-    sender = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=2.0)).connect(
+    sender = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=2.0, secret=SECRET)).connect(
         child.address())
     src = pattern_caches()
     try:
@@ -226,7 +230,7 @@ def test_sending_to_a_stalled_decode_worker_times_out_instead_of_hanging(decode_
 
 @pytest.mark.timeout(60)
 def test_decode_gets_a_failed_ticket_when_prefill_dies_between_header_and_payload(tmp_path):
-    receiver = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=5.0)).open_receiver()
+    receiver = KV_TRANSFER_BACKENDS.get("gloo")(TransferConfig(timeout_s=5.0, secret=SECRET)).open_receiver()
     address = receiver.open_channel()
     code = ("from tests.service.test_kv_transfer_gloo_processes import "
             "prefill_dies_after_header_main as m; m()")

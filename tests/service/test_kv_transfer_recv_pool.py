@@ -11,6 +11,9 @@ import torch
 
 from kv_transfer.base import KV_TRANSFER_BACKENDS, TransferConfig, TransferState
 from kv_transfer.packing import make_header
+from proto.auth import load_cluster_secret
+
+SECRET = load_cluster_secret()  # tests/conftest.py sets it for the run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,7 +22,7 @@ BLOCK_BYTES = 2 * 2 * 16 * 3 * 64 * 4  # one block of payload(): 2 layers, K and
 
 def gloo(pool_bytes: int = 1 << 30):
     config = TransferConfig(timeout_s=5.0, connect_timeout_s=5.0,
-                            recv_buffer_pool_bytes=pool_bytes)
+                            recv_buffer_pool_bytes=pool_bytes, secret=SECRET)
     return KV_TRANSFER_BACKENDS.get("gloo")(config)
 
 
