@@ -151,7 +151,7 @@ def build_service(args: argparse.Namespace):
     backend = ClusterBackend(reader.snapshot, policy.choose, args.ticket_timeout,
                              admission=admission, route_request=builder,
                              timeouts=WorkerTimeouts(prefill_s=args.prefill_timeout,
-                                                     stream_idle_s=args.stream_idle_timeout))
+                                                     stream_idle_s=args.stream_idle_timeout),
                              secret=secret)
     backend.kv_reader = kv_reader
     limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
