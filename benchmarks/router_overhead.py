@@ -45,7 +45,6 @@ from pdserve.bench.datasets import SampleRequest, random_requests  # noqa: E402
 from pdserve.bench.main import first_model  # noqa: E402
 from pdserve.bench.runner import RunSettings, run_benchmark  # noqa: E402
 from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets  # noqa: E402
-from pdserve.redis_server import EmbeddedRedis  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
 from proto.internal_auth import internal_channel  # noqa: E402
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
