@@ -14,7 +14,9 @@ Method (printed with the results too):
   after 1..6 chunks. Requests counted ok / failed / cancelled.
 - Memory: every --interval seconds, RSS (VmRSS) and PSS / USS (from /proc/<pid>/smaps_rollup)
   of every process under `pdserve up` (router, each worker, redis-server, the supervisor).
-  Slope = least-squares fit of RSS (MB) over minutes, on the samples after --warmup-minutes;
+  Slope = least-squares fit of RSS (MB) over minutes, on the samples after --warmup-minutes
+  (and the same for RssAnon: RSS without the file pages of the mapped weights, which the
+  kernel drops and reloads under memory pressure, so RSS alone can fall by 100+ MB at once);
   the same fit on the first and second half of those samples says whether growth slows down
   (levels off) or keeps its pace. Goal: < 1 MB/min after warm-up.
 - Blocks: once the load stops and the workers are idle, every worker's blocks (total, free,
@@ -57,6 +59,9 @@ class Sample:
     process: str
     pid: int
     rss_mb: float
+    anon_mb: float
+    """RssAnon: heap and other private memory, what a leak grows; RSS also counts file pages
+    (the model's mapped weights) that the kernel drops and reloads under memory pressure."""
     pss_mb: float | None
     uss_mb: float | None
 
@@ -125,19 +130,20 @@ def process_name(pid: int) -> str | None:
     return None
 
 
-def memory_mb(pid: int) -> tuple[float, float | None, float | None] | None:
-    """(RSS, PSS, USS) in MB; None once the process is gone."""
+def memory_mb(pid: int) -> tuple[float, float, float | None, float | None] | None:
+    """(RSS, RssAnon, PSS, USS) in MB; None once the process is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+    anon = int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) / 1024
     try:
         rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         kb = {k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", rollup, re.M)}
-        return rss, kb["Pss"] / 1024, (kb["Private_Clean"] + kb["Private_Dirty"]) / 1024
+        return rss, anon, kb["Pss"] / 1024, (kb["Private_Clean"] + kb["Private_Dirty"]) / 1024
     except (OSError, KeyError):
-        return rss, None, None
+        return rss, anon, None, None
 
 
 class Sampler(threading.Thread):
@@ -286,16 +292,16 @@ def memory_rows(samples: list[Sample], warmup_s: float) -> list[list]:
         fit = [(s.t_s, s.rss_mb) for s in mine if s.t_s >= warmup_s]
         half = len(fit) // 2
         slope = slope_mb_per_min(fit)
-        uss = [(s.t_s, s.uss_mb) for s in mine if s.t_s >= warmup_s and s.uss_mb is not None]
+        anon = [(s.t_s, s.anon_mb) for s in mine if s.t_s >= warmup_s]
         verdict = "n/a" if slope != slope else ("met" if slope < GOAL_MB_PER_MIN else "NOT MET")
         rows.append([name, f"{mine[0].rss_mb:.1f}", f"{mine[-1].rss_mb:.1f}", f"{max(s.rss_mb for s in mine):.1f}",
                      f"{slope:.2f}", f"{slope_mb_per_min(fit[:half]):.2f}", f"{slope_mb_per_min(fit[half:]):.2f}",
-                     f"{slope_mb_per_min(uss):.2f}", verdict])
+                     f"{slope_mb_per_min(anon):.2f}", verdict])
     return rows
 
 
 MEMORY_HEADERS = ["process", "RSS start MB", "RSS end MB", "RSS max MB", "slope MB/min",
-                  "1st half", "2nd half", "USS slope", f"< {GOAL_MB_PER_MIN:g} MB/min"]
+                  "1st half", "2nd half", "anon slope", f"< {GOAL_MB_PER_MIN:g} MB/min"]
 BLOCK_HEADERS = ["worker", "role", "total", "free (view)", "reserved (view)", "free (/metrics)",
                  "reserved (/metrics)", "running", "waiting", "kv usage", "all free"]
 
@@ -315,7 +321,7 @@ def method(args: argparse.Namespace) -> str:
             f"{args.minutes:g} min: chat or completions, streamed (60%) or not, prompts of 8..~600 words, "
             f"max_tokens in {MAX_TOKENS}, {args.cancel_share:.0%} of streams closed after 1..6 chunks. "
             f"RSS/PSS/USS of every process every {args.interval:g} s (/proc/<pid>/status, smaps_rollup); "
-            f"slope = least squares of RSS over time after a {args.warmup_minutes:g}-min warm-up, also on "
+            f"slope = least squares of RSS (and of RssAnon, which leaves out file pages the kernel may drop) over time after a {args.warmup_minutes:g}-min warm-up, also on "
             f"each half of those samples (a 2nd half near 0 = levelled off). Blocks read once idle, from "
             f"/v1/cluster and each worker's /metrics. The machine's cores are shared with other work, "
             f"so short runs give noisy slopes.")

@@ -10,9 +10,10 @@ def test_slope_is_megabytes_per_minute_of_a_least_squares_fit():
 def test_memory_rows_fit_only_after_warmup_and_split_the_rest_in_halves():
     # 10 MB/min for the first 2 minutes (warm-up), then 4 MB/min, then flat.
     points = [(0, 100), (60, 110), (120, 120), (180, 124), (240, 128), (300, 128), (360, 128), (420, 128)]
-    samples = [Sample(t, "prefill:prefill-0", 7, mb, None, None) for t, mb in points]
+    samples = [Sample(t, "prefill:prefill-0", 7, mb, mb - 50, None, None) for t, mb in points]
     [row] = memory_rows(samples, warmup_s=110)
     assert row[0] == "prefill:prefill-0"
     assert row[1:4] == ["100.0", "128.0", "128.0"]
     assert row[5:7] == ["4.00", "0.00"]  # first half still growing, second half levelled off
+    assert row[7] == row[4]  # RssAnon: the same growth here
     assert row[-1] == "NOT MET"
