@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,11 +46,14 @@ def build_worker(role: str, config: EngineConfig, transfer: TransferConfig, back
     channels with transfer.secret, the cluster secret (required)."""
     if role == "prefill" and transfer.secret is None:
         raise ValueError("a prefill worker needs the cluster secret (TransferConfig.secret)")
-    backend = KV_TRANSFER_BACKENDS.get(backend_name)(transfer)
     if role == "decode":
         from decode_worker.worker import DecodeWorker
 
-        worker = DecodeWorker(EngineCore(config), backend.open_receiver())
+        core = EngineCore(config)
+        # Idle receive buffers kept for reuse never outgrow the KV cache they are unpacked into.
+        kv_bytes = core.capacity.num_blocks * core.capacity.bytes_per_block
+        transfer = replace(transfer, recv_buffer_pool_bytes=min(transfer.recv_buffer_pool_bytes, kv_bytes))
+        worker = DecodeWorker(core, KV_TRANSFER_BACKENDS.get(backend_name)(transfer).open_receiver())
     elif role == "prefill":
         from kv_transfer.pool import ChannelPool
         from prefill_worker.worker import PrefillWorker
@@ -62,6 +66,7 @@ def build_worker(role: str, config: EngineConfig, transfer: TransferConfig, back
             return await open_channel_via_grpc(address, w.worker_id, w.incarnation, backend_name,
                                                transfer.secret)
 
+        backend = KV_TRANSFER_BACKENDS.get(backend_name)(transfer)
         worker = PrefillWorker(core, ChannelPool(backend), opener, backend_name=backend_name)
         holder["worker"] = worker
     else:
