@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, load_cluster
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.tiny_model import write_tiny_model
+from tests.worker_process import stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
@@ -42,26 +42,6 @@ def worker_cmd(role: str, model: Path, ready: Path) -> list[str]:
             "--num-threads", "1", "--kv-transfer", "gloo", "--ready-file", str(ready)]
 
 
-def wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> tuple[int, int]:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if ready.exists() and ready.read_text().endswith("\n"):
-            grpc_port, metrics_port = ready.read_text().split()
-            return int(grpc_port), int(metrics_port)
-        assert process.poll() is None, f"worker exited with {process.returncode}:\n{log.read_text()}"
-        time.sleep(0.2)
-    raise AssertionError(f"worker not ready in {START_TIMEOUT_S} s:\n{log.read_text()}")
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
@@ -77,7 +57,7 @@ def workers(tmp_path_factory):
                     worker_cmd(role, model, ready), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"}))
             found[role] = (processes[-1], ready, log)
-        ports = {role: wait_ready(*found[role]) for role in found}
+        ports = {role: wait_ready(*found[role], START_TIMEOUT_S) for role in found}
         yield {role: (f"127.0.0.1:{g}", m) for role, (g, m) in ports.items()}
     finally:
         for process in processes:

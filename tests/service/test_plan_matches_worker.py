@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.worker_process import stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300  # a cold weights cache dequantizes the GGUF first
@@ -48,26 +48,6 @@ def start_decode_worker(flags: list[str], tmp: Path) -> tuple[subprocess.Popen, 
     return process, ready, log
 
 
-def wait_ready(process: subprocess.Popen, ready: Path, log: Path) -> int:
-    """The worker's metrics port, once it serves (bounded; fails with the log if it died)."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if ready.exists() and ready.read_text().endswith("\n"):
-            return int(ready.read_text().split()[1])
-        assert process.poll() is None, f"worker exited with {process.returncode}:\n{log.read_text()}"
-        time.sleep(0.2)
-    raise AssertionError(f"worker not ready in {START_TIMEOUT_S} s:\n{log.read_text()}")
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
 
 def capacity_lines(log: Path) -> list[str]:
     return [line.split("engine.core: ", 1)[1] for line in log.read_text().splitlines()
@@ -85,7 +65,7 @@ def test_plan_equals_the_decode_workers_logged_capacity_and_metrics(tmp_path, fl
     planned = plan_json(flags)["capacity"]
     process, ready, log = start_decode_worker(flags, tmp_path)
     try:
-        metrics_port = wait_ready(process, ready, log)
+        metrics_port = wait_ready(process, ready, log, START_TIMEOUT_S)[1]
         assert capacity_lines(log) == [planned["log_line"]]
         samples = worker_samples(metrics_port)
     finally:
