@@ -5,6 +5,8 @@ Keys live under `pdserve:{cluster}:` (DESIGN.md, "Cluster state"):
     pdserve:{cluster}:workers             SET   worker ids that have heart-beaten
     pdserve:{cluster}:worker:{worker_id}  HASH  WorkerInfo.to_hash(), with a TTL
     pdserve:{cluster}:kv_events           STREAM  block events (router/prefix_index.py BlockEvent)
+    pdserve:{cluster}:scale:desired       HASH  role -> desired replicas (written by a scaler)
+    pdserve:{cluster}:scale:status        HASH  the local supervisor's status, with a TTL
 
 A worker's hash expires when its heartbeats stop; the set may still name it until a reader
 notices and removes it. A worker signs its hash with the cluster secret (`signed_hash`: an
@@ -30,7 +32,11 @@ __all__ = [
     "UnsignedEntry",
     "Role",
     "WorkerInfo",
+    "WORKER_STATES",
+    "WorkerState",
     "cluster_prefix",
+    "desired_replicas_key",
+    "scaler_status_key",
     "kv_events_key",
     "signed_hash",
     "verified_info",
@@ -40,6 +46,10 @@ __all__ = [
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[str, ...] = get_args(Role)
+WorkerState = Literal["starting", "serving", "draining", "stopped"]
+"""A worker process's state as its heartbeat tells it (a heartbeat is written only while
+serving or draining)."""
+WORKER_STATES: tuple[str, ...] = get_args(WorkerState)
 
 
 def cluster_prefix(cluster: str) -> str:
@@ -59,6 +69,18 @@ def worker_key(cluster: str, worker_id: str) -> str:
 def workers_set_key(cluster: str) -> str:
     """The set of worker ids that have registered (some may have expired since)."""
     return f"{cluster_prefix(cluster)}workers"
+
+
+def desired_replicas_key(cluster: str) -> str:
+    """HASH role -> desired replica count, written by a scaler (the Scale subresource's
+    spec.replicas); the local supervisor reconciles its worker processes to it."""
+    return f"{cluster_prefix(cluster)}scale:desired"
+
+
+def scaler_status_key(cluster: str) -> str:
+    """HASH the running supervisor's status (kind, restarts per role, updated_at), with a TTL:
+    present only while a supervisor is alive to act on desired_replicas_key."""
+    return f"{cluster_prefix(cluster)}scale:status"
 
 
 def kv_events_key(cluster: str) -> str:
@@ -104,6 +126,9 @@ class WorkerInfo:
     """Longest sequence (prompt + output tokens) the worker accepts."""
     updated_at: float
     """Unix time (seconds, the worker's clock) when this heartbeat was taken."""
+    state: WorkerState = "serving"
+    """"serving", or "draining": finishing its in-flight requests before it exits; routers
+    send a draining worker no new work (worker_runtime.status.WorkerState names them all)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -120,6 +145,9 @@ class WorkerInfo:
                 raise ValueError(
                     f"worker {self.worker_id!r}: {name} must be an int >= 0; got {value!r}"
                 )
+        if self.state not in WORKER_STATES:
+            raise ValueError(f"worker {self.worker_id!r}: state must be one of {', '.join(WORKER_STATES)}; "
+                             f"got {self.state!r}")
         if self.block_size < 1:
             raise ValueError(f"worker {self.worker_id!r}: block_size must be >= 1")
         if not isinstance(self.updated_at, (int, float)) or not math.isfinite(self.updated_at):
@@ -127,6 +155,10 @@ class WorkerInfo:
                 f"worker {self.worker_id!r}: updated_at must be a finite number; "
                 f"got {self.updated_at!r}"
             )
+
+    @property
+    def draining(self) -> bool:
+        return self.state == "draining"
 
     @property
     def serves_prefill(self) -> bool:
@@ -152,11 +184,13 @@ class WorkerInfo:
         the missing fields, or the field whose value is invalid.
         """
         text = {_text(k): _text(v) for k, v in data.items()}
-        missing = [f.name for f in fields(cls) if f.name not in text]
+        missing = [f.name for f in fields(cls) if f.name not in text and f.name not in _OPTIONAL_FIELDS]
         if missing:
             raise ValueError(f"worker hash lacks field(s): {', '.join(missing)}")
         values: dict[str, object] = {}
         for f in fields(cls):
+            if f.name not in text:
+                continue  # an optional field an older worker does not write: its default
             raw = text[f.name]
             try:
                 if f.name in _INT_FIELDS:
@@ -184,6 +218,7 @@ _INT_FIELDS = frozenset(
     }
 )
 _FLOAT_FIELDS = frozenset({"updated_at"})
+_OPTIONAL_FIELDS = frozenset({"state"})
 
 
 def _text(value: bytes | str) -> str:

@@ -130,7 +130,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "role", "block_size", "total_blocks", "free_blocks", "reserved_blocks", "cached_blocks", "num_running", "num_waiting", "queued_prefill_tokens")
+    __slots__ = ("worker_id", "incarnation", "role", "block_size", "total_blocks", "free_blocks", "reserved_blocks", "cached_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "state", "in_flight")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class LoadReport(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     role: str
@@ -153,4 +155,20 @@ class LoadReport(_message.Message):
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    state: str
+    in_flight: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., state: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_ms",)
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    timeout_ms: int
+    def __init__(self, timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("started", "in_flight")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    started: bool
+    in_flight: int
+    def __init__(self, started: _Optional[bool] = ..., in_flight: _Optional[int] = ...) -> None: ...

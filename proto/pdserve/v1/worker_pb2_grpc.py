@@ -54,6 +54,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Drain',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -86,6 +91,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop taking new work, finish what is in flight (bounded), then exit. Returns at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +120,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +245,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Drain',
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -253,6 +297,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Drain',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -277,6 +326,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop taking new work, finish what is in flight (bounded), then exit. Returns at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +350,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -377,6 +438,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/GetLoad',
             proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Drain',
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
