@@ -69,7 +69,17 @@ def test_to_hash_writes_every_field_as_a_string():
         "queued_prefill_tokens": "512",
         "max_model_len": "8192",
         "updated_at": "1718000000.123456",
+        "state": "serving",
     }
+
+
+def test_a_hash_without_state_reads_as_serving_and_a_bad_state_is_refused():
+    text = make_worker().to_hash()
+    del text["state"]  # a worker of the previous release
+    assert WorkerInfo.from_hash(text).state == "serving"
+    with pytest.raises(ValueError, match="state must be one of starting, serving, draining, stopped"):
+        make_worker(state="resting")
+    assert make_worker(state="draining").draining
 
 
 def test_hash_round_trips_through_bytes_as_hgetall_returns_them():
