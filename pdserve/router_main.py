@@ -32,6 +32,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--colocated", nargs="?", const=True, default=False, type=_true_or_false,
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
+    add_admin_args(parser.add_argument_group("roles, scaling and admin"))
 
 
 ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "local_prefill_min_queue",
@@ -195,6 +196,85 @@ def readiness_check(args: argparse.Namespace, reader):
     return check
 
 
+# --- Roles, scaling and admin (GET/PUT /v1/roles, drain, pdserve.v1.Admin) -----------------
+# Everything the router adds for scaling lives in this block: the flags, the admin key, the
+# scaler and the RolesApi that HTTP, gRPC and /metrics share.
+
+
+def add_admin_args(g) -> None:
+    from router.ops.roles import DEFAULT_MAX_REPLICAS
+
+    g.add_argument("--scaler", default="none",
+                   help="what acts on PUT /v1/roles: none (read-only roles API) or a scaler name "
+                        "(local: the pdserve up supervisor)")
+    g.add_argument("--max-replicas", type=int, default=DEFAULT_MAX_REPLICAS,
+                   help="largest replica count PUT /v1/roles/{role} accepts for one role")
+    g.add_argument("--admin-key", default=None,
+                   help="bearer token for scaling and draining (or set PDSERVE_ADMIN_KEY / "
+                        "PDSERVE_ADMIN_KEY_FILE); distinct from --api-key. Without one, those routes "
+                        "answer 403 unless --host is a loopback address")
+
+
+def admin_key_from(args: argparse.Namespace) -> str | None:
+    """--admin-key, else $PDSERVE_ADMIN_KEY, else the contents of $PDSERVE_ADMIN_KEY_FILE."""
+    if args.admin_key:
+        logger.warning("--admin-key on the command line is visible to every user of this host (ps); "
+                       "prefer PDSERVE_ADMIN_KEY_FILE or PDSERVE_ADMIN_KEY")
+        return args.admin_key
+    if os.environ.get("PDSERVE_ADMIN_KEY"):
+        return os.environ["PDSERVE_ADMIN_KEY"]
+    key_file = os.environ.get("PDSERVE_ADMIN_KEY_FILE")
+    if not key_file:
+        return None
+    key = Path(key_file).read_text().strip()
+    if not key:
+        raise SystemExit(f"PDSERVE_ADMIN_KEY_FILE {key_file} is empty: refusing to serve without the key it promises")
+    return key
+
+
+def make_scaler(name: str, redis_url: str | None, cluster: str, secret: bytes | None):
+    """The scaler named by --scaler (None for "none"), built from pdserve.scalers' registry
+    (imported only when one is asked for). Raises SystemExit with one line when it cannot be."""
+    if name == "none":
+        return None
+    try:
+        from pdserve.scalers import SCALERS
+    except ImportError as exc:
+        raise SystemExit(f"--scaler {name}: no scalers are available in this installation ({exc})") from None
+    try:
+        factory = SCALERS.get(name)
+    except KeyError as exc:
+        raise SystemExit(f"--scaler: {exc.args[0]}; or none") from None
+    return factory(redis_url, cluster, secret)
+
+
+def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
+    """The RolesApi and AdminAccess this router serves (HTTP, gRPC, /metrics)."""
+    from proto.internal_auth import require_cluster_secret
+    from router.ops.access import AdminAccess
+    from router.ops.drain_call import WorkerDrainer
+    from router.ops.roles import RolesApi
+
+    # The scaler signs the desired counts it writes with the cluster secret.
+    scaler = make_scaler(args.scaler, args.redis_url, args.cluster, require_cluster_secret("pdserve router"))
+    drainer = WorkerDrainer(backend.channel, backend.timeouts.abort_s)
+    roles = RolesApi(reader.snapshot, scaler, drainer, max_replicas=args.max_replicas)
+    try:
+        access = AdminAccess(admin_key_from(args), api_key, args.host)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from None
+    return roles, access
+
+
+def register_admin_metrics(service, roles) -> None:
+    from router.ops.roles_metrics import RolesCollector
+
+    service.metrics.registry.register(RolesCollector(roles))
+
+
+# --- end of the roles, scaling and admin block ---------------------------------------------
+
+
 async def serve_router(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -203,15 +283,19 @@ async def serve_router(args: argparse.Namespace) -> None:
 
     service, backend, reader = build_service(args)
     api_key = api_key_from(args)
+    roles, admin_access = build_admin(args, backend, reader, api_key)
+    register_admin_metrics(service, roles)
     ready = readiness_check(args, reader)
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
-                                           max_request_bytes=args.max_request_bytes, readiness=ready))
+                                           max_request_bytes=args.max_request_bytes, readiness=ready,
+                                           roles=roles, admin_access=admin_access))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:
         backend.kv_reader.start()  # replays the block-event stream, then follows it
     grpc_door = await start_grpc_server(service, args.host, args.grpc_port, api_key=api_key,
-                                        max_message_bytes=args.max_request_bytes, readiness=ready)
+                                        max_message_bytes=args.max_request_bytes, readiness=ready,
+                                        roles=roles, admin_access=admin_access)
     grpc_port = grpc_door.port
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)

@@ -143,6 +143,11 @@ class ClusterBackend:
         self._prefill_tokens: dict[str, tuple[str, int]] = {}
         """request id -> (prefill worker, uncached prompt tokens) for prefills in flight."""
 
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The pooled channel to a worker (every call carries the cluster-secret proof); shared
+        with the ops calls (drain), closed by close()."""
+        return self._channel(address)
+
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:

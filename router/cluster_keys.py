@@ -243,11 +243,20 @@ class ClusterSnapshot:
     """True when Redis could not be read and these are the last entries that were."""
 
     def prefill_workers(self) -> tuple[WorkerInfo, ...]:
-        """Workers that may prefill (role "prefill" or "both")."""
-        return tuple(w for w in self.workers if w.serves_prefill)
+        """Serving workers that may prefill (role "prefill" or "both"). The one place routing,
+        admission and readiness read candidates from: a draining worker is left out, so it gets
+        no new work from the next snapshot on."""
+        return tuple(w for w in self.members("prefill") if w.state == "serving")
 
     def decode_workers(self) -> tuple[WorkerInfo, ...]:
-        """Workers that may decode (role "decode" or "both")."""
+        """Serving workers that may decode (role "decode" or "both"); see prefill_workers."""
+        return tuple(w for w in self.members("decode") if w.state == "serving")
+
+    def members(self, role: Literal["prefill", "decode"]) -> tuple[WorkerInfo, ...]:
+        """Every live worker of the role, draining ones included: what holds KV blocks and
+        what an operator sees (views, metrics, the roles API). Never a routing candidate list."""
+        if role == "prefill":
+            return tuple(w for w in self.workers if w.serves_prefill)
         return tuple(w for w in self.workers if w.serves_decode)
 
     def by_id(self, worker_id: str) -> WorkerInfo | None:

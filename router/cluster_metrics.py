@@ -108,7 +108,8 @@ class ClusterCollector:
             "num_running": ("pdserve_cluster_requests_running", "Requests running on the role's workers."),
         }
         families = {key: GaugeMetricFamily(name, doc, labels=_ROLE) for key, (name, doc) in names.items()}
-        for role, workers in (("decode", snapshot.decode_workers()), ("prefill", snapshot.prefill_workers())):
+        for role in ("decode", "prefill"):  # draining workers still hold their blocks
+            workers = snapshot.members(role)
             totals = role_totals(workers)
             for key, family in families.items():
                 family.add_metric([role], totals[key])

@@ -32,7 +32,7 @@ def role_totals(workers: Iterable[WorkerInfo]) -> dict[str, int | float]:
 def worker_entry(w: WorkerInfo, now: float) -> dict[str, object]:
     entry: dict[str, object] = {
         "worker_id": w.worker_id, "role": w.role, "address": w.address,
-        "metrics_address": w.metrics_address, "incarnation": w.incarnation,
+        "metrics_address": w.metrics_address, "incarnation": w.incarnation, "state": w.state,
         "block_size": w.block_size, "max_model_len": w.max_model_len,
     }
     entry.update({name: getattr(w, name) for name in _SUMMED})
@@ -51,8 +51,9 @@ def cluster_body(cluster: str, snapshot: ClusterSnapshot, redis_ok: bool, policy
         "policy": policy,
         "redis_ok": redis_ok,
         "stale": snapshot.stale,
-        "decode": role_totals(snapshot.decode_workers()),
-        "prefill": role_totals(snapshot.prefill_workers()),
+        # KV held by a draining worker is still held: totals count every member of the role.
+        "decode": role_totals(snapshot.members("decode")),
+        "prefill": role_totals(snapshot.members("prefill")),
         "admission_queue": queue,
         "workers": [worker_entry(w, now) for w in snapshot.workers],
     }

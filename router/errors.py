@@ -54,6 +54,24 @@ class Unauthorized(RouterError):
         super().__init__(message)
 
 
+class Forbidden(RouterError):
+    """The caller may not use this route at all here (an admin route on a router with no admin
+    key that listens beyond loopback); no key would help, so not 401."""
+
+
+class NotFound(RouterError):
+    """The request names a thing this router does not know (a role, a worker id)."""
+
+
+class Conflict(RouterError):
+    """The request is valid but this router's configuration cannot carry it out (scaling
+    without a scaler); retrying will not help until the operator changes the configuration."""
+
+
+class Unavailable(RouterError):
+    """Something the request needs is unreachable now (the scaler's controller); retry later."""
+
+
 class Overloaded(RouterError):
     """No worker can take the request now; the client should retry after `retry_after_s`."""
 
@@ -102,6 +120,10 @@ _HTTP_STATUS: tuple[tuple[type[RouterError], int, str], ...] = (
     (InvalidRequest, 400, "BadRequestError"),
     (Unauthorized, 401, "AuthenticationError"),
     (ModelNotFound, 404, "NotFoundError"),
+    (Forbidden, 403, "PermissionDeniedError"),
+    (NotFound, 404, "NotFoundError"),
+    (Conflict, 409, "ConflictError"),
+    (Unavailable, 503, "ServiceUnavailableError"),
     (Overloaded, 503, "ServiceUnavailableError"),
     (WorkerFailure, 500, "InternalServerError"),
 )

@@ -22,9 +22,12 @@ import pydantic
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from proto.pdserve.v1 import admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.errors import InvalidRequest, RouterError
-from router.grpc_guards import FrontDoorInterceptor, abort
+from router.grpc_guards import AdminInterceptor, FrontDoorInterceptor, abort
+from router.ops.access import AdminAccess
+from router.ops.admin_grpc import ADMIN_METHODS, ADMIN_SERVICE_NAME, AdminServicer
+from router.ops.roles import RolesApi
 from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeCompletionRequest
 from router.readiness import Readiness
 from router.results import ChoiceUpdate, StreamFailure, UsageReport
@@ -204,19 +207,32 @@ async def start_grpc_server(
     max_message_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     readiness: Callable[[], Awaitable[Readiness]] | None = None,
     readiness_interval_s: float = 1.0,
+    roles: RolesApi | None = None,
+    admin_access: AdminAccess | None = None,
 ) -> GrpcFrontDoor:
-    """Serve pdserve.v1.Generation (+ health, reflection). Messages over `max_message_bytes`
-    are refused by grpc itself (RESOURCE_EXHAUSTED) before they reach Python."""
-    server = grpc.aio.server(
-        interceptors=[FrontDoorInterceptor(SERVICE_NAME, api_key)],
-        options=[("grpc.max_receive_message_length", max_message_bytes)],
-    )
+    """Serve pdserve.v1.Generation, and pdserve.v1.Admin when `roles` is given (+ health,
+    reflection). Messages over `max_message_bytes` are refused by grpc itself
+    (RESOURCE_EXHAUSTED) before they reach Python."""
+    if (roles is None) != (admin_access is None):
+        raise ValueError("roles and admin_access go together: the Admin service needs its guard")
+    interceptors: list[grpc.aio.ServerInterceptor] = [FrontDoorInterceptor(SERVICE_NAME, api_key)]
+    if admin_access is not None:
+        interceptors.append(AdminInterceptor(ADMIN_SERVICE_NAME, ADMIN_METHODS, admin_access))
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", max_message_bytes)])
     bound = server.add_insecure_port(f"{host}:{port}")
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+    public = [SERVICE_NAME]
+    if roles is not None:
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(roles), server)
+        public.append(ADMIN_SERVICE_NAME)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((*public, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
+    if roles is not None:
+        # Admin serves whether or not workers do: scaling up from none is what it is for.
+        await health_servicer.set(ADMIN_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     follower = None
     if readiness is None:
         await _set_health(health_servicer, True)
@@ -227,6 +243,7 @@ async def start_grpc_server(
 
 
 async def _set_health(servicer: health.aio.HealthServicer, ready: bool) -> None:
+    """The server ("") and Generation follow readiness: workers to generate with."""
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
         await servicer.set(name, status)

@@ -9,11 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.errors import (
+    Conflict,
+    Forbidden,
     InvalidRequest,
+    NotFound,
     ModelNotFound,
     Overloaded,
     RouterError,
     Unauthorized,
+    Unavailable,
     WorkerFailure,
 )
 
@@ -25,6 +29,11 @@ _GRPC_STATUS: tuple[tuple[type[RouterError], str], ...] = (
     (InvalidRequest, "INVALID_ARGUMENT"),
     (ModelNotFound, "NOT_FOUND"),
     (Unauthorized, "UNAUTHENTICATED"),
+    (Forbidden, "PERMISSION_DENIED"),
+    (NotFound, "NOT_FOUND"),
+    # gRPC's own guide: the system is not in the state the operation needs (no scaler).
+    (Conflict, "FAILED_PRECONDITION"),
+    (Unavailable, "UNAVAILABLE"),
     (Overloaded, "RESOURCE_EXHAUSTED"),
     # A failed worker is transient from the client's side: another attempt may land elsewhere.
     (WorkerFailure, "UNAVAILABLE"),

@@ -1,7 +1,7 @@
 """The public gRPC API's guards, run before any servicer method: the API key and decoding.
 
 The gRPC twin of router.http_guards. One server interceptor wraps every method of
-pdserve.v1.Generation: without `authorization: Bearer <key>` metadata (when a key is set) the
+pdserve.v1.Generation (another, AdminInterceptor, pdserve.v1.Admin's, with the admin key): without `authorization: Bearer <key>` metadata (when a key is set) the
 call ends UNAUTHENTICATED; bytes that do not decode as the request message end it
 INVALID_ARGUMENT (grpc's own deserializer would answer INTERNAL/UNKNOWN). Health and
 reflection stay open: probes carry no credentials, and reflection only describes the public
@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from router.api_key import ApiKey
+from router.ops.access import Access, AdminAccess
 from router.errors import InvalidRequest, RouterError, Unauthorized
 from router.grpc_errors import grpc_status, grpc_trailing_metadata
 
@@ -58,6 +59,30 @@ class FrontDoorInterceptor(grpc.aio.ServerInterceptor):
             return True
         values = [v for k, v in details.invocation_metadata or () if k == "authorization"]
         return len(values) == 1 and isinstance(values[0], str) and self._key.allows(values[0])
+
+
+class AdminInterceptor(grpc.aio.ServerInterceptor):
+    """Guards pdserve.v1.Admin: each method's access ("read" or "admin", by `methods`) is decided
+    by router.ops.access.AdminAccess from the `authorization` metadata, as over HTTP."""
+
+    def __init__(self, service_name: str, methods: dict[str, Access], access: AdminAccess) -> None:
+        self._prefix = f"/{service_name}/"
+        self._methods = methods
+        self._access = access
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self._prefix):
+            return handler
+        kind = self._methods.get(details.method[len(self._prefix):], "admin")  # unknown: strictest
+        values = [v for k, v in details.invocation_metadata or () if k == "authorization"]
+        # Two authorization entries are ambiguous: decide as if none was sent.
+        authorization = values[0] if len(values) == 1 and isinstance(values[0], str) else None
+        return _guarded(handler, self._access.refusal(kind, authorization))
 
 
 def _tolerant(parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
@@ -104,4 +129,4 @@ def _guarded(handler: grpc.RpcMethodHandler, refusal: RouterError | None) -> grp
 
         return grpc.unary_stream_rpc_method_handler(
             stream, request_deserializer=parse, response_serializer=handler.response_serializer)
-    raise AssertionError(f"pdserve.v1.Generation has only unary requests, got {handler!r}")
+    raise AssertionError(f"the public services have only unary requests, got {handler!r}")

@@ -49,11 +49,15 @@ from router.openai_models import (
     TokenizeCompletionRequest,
 )
 from router.http_guards import (
+    AdminGuardMiddleware,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
     error_response,
 )
+from router.ops.access import AdminAccess
+from router.ops.admin_http import admin_routes
+from router.ops.roles import RolesApi
 from router.readiness import Readiness
 from router.results import ResponseHead
 from router.validation import DEFAULT_MAX_REQUEST_BYTES
@@ -83,16 +87,22 @@ class HttpSettings:
     """Largest request body accepted; larger ones get 413 before they are read."""
     readiness: Callable[[], Awaitable[Readiness]] | None = None
     """Whether workers can serve now (/ready); None: /ready answers as /health does."""
+    version: str = field(default_factory=_pdserve_version)
+    """Reported by /version."""
+    cluster_view: Callable[[], Awaitable[dict[str, object]]] | None = None
+    """Builds the JSON of /v1/cluster (the service-wide KV view); None: the route answers 404."""
+    roles: RolesApi | None = None
+    """Serves /v1/roles and /v1/workers/{id}/drain; None: those routes answer 404."""
+    admin_access: AdminAccess | None = None
+    """Who may read and change the roles; required with `roles`."""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None: no key required)")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
-    version: str = field(default_factory=_pdserve_version)
-    """Reported by /version."""
-    cluster_view: Callable[[], Awaitable[dict[str, object]]] | None = None
-    """Builds the JSON of /v1/cluster (the service-wide KV view); None: the route answers 404."""
+        if (self.roles is None) != (self.admin_access is None):
+            raise ValueError("roles and admin_access go together: the roles routes need their guard")
 
 
 class ClientDisconnected(Exception):
@@ -112,11 +122,15 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(Exception, _on_unexpected_error)
     app.include_router(_routes(service, settings))
-    # The last added runs first: id (so every refusal carries it), key, then body size (so an
-    # unauthenticated client cannot make the router buffer a body).
+    if settings.roles is not None:
+        app.include_router(admin_routes(settings.roles))
+    # The last added runs first: id (so every refusal carries it), admin access, key, then body
+    # size (so an unauthenticated client cannot make the router buffer a body).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.admin_access is not None:
+        app.add_middleware(AdminGuardMiddleware, access=settings.admin_access)
     app.add_middleware(RequestIdMiddleware)
     return app
 
@@ -155,6 +169,8 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
 
     @api.get("/metrics")
     async def metrics() -> Response:
+        if settings.roles is not None:
+            await settings.roles.refresh()  # the role gauges read its last view
         return Response(service.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @api.post("/tokenize", dependencies=[Depends(_json_body)])

@@ -1,4 +1,4 @@
-"""The HTTP front door's guards, run before any route: request id, API key, body size.
+"""The HTTP front door's guards, run before any route: request id, admin access, API key, body size.
 
 Each is a plain ASGI middleware so it acts before FastAPI reads or parses the body. RouterErrors
 become responses in `error_response` only (the HTTP half of the one error mapping).
@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api_key import ApiKey
 from router.errors import PayloadTooLarge, RouterError, Unauthorized, http_error
+from router.ops.access import AdminAccess, admin_route_access
 
 REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -58,8 +59,28 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class AdminGuardMiddleware:
+    """Decides the roles and drain routes (router.ops.access): reads need the API key (or the
+    admin key), changes the admin key; other paths pass on to the API key guard."""
+
+    def __init__(self, app: ASGIApp, access: AdminAccess) -> None:
+        self.app = app
+        self._access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = admin_route_access(scope.get("method", ""), scope["path"]) if scope["type"] == "http" else None
+        if kind is not None:
+            refusal = self._access.refusal(kind, Headers(scope=scope).get("authorization"))
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["admin_checked"] = True
+        await self.app(scope, receive, send)
+
+
 class ApiKeyMiddleware:
-    """Answers 401 unless `Authorization: Bearer <api_key>` (every path but the probes)."""
+    """Answers 401 unless `Authorization: Bearer <api_key>` (every path but the probes, and the
+    admin routes AdminGuardMiddleware has already let through with the admin key)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -74,6 +95,8 @@ class ApiKeyMiddleware:
     @staticmethod
     def _is_open(scope: Scope) -> bool:
         # CORS preflights carry no credentials.
+        if scope.get("state", {}).get("admin_checked"):
+            return True
         return scope["path"] in OPEN_PATHS or scope.get("method") == "OPTIONS"
 
     def _allowed(self, scope: Scope) -> bool:

@@ -7,6 +7,7 @@ a request sent now has workers to go to. Pure: decided from a ClusterSnapshot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from router.cluster_keys import ClusterSnapshot
 
@@ -23,15 +24,23 @@ class Readiness:
 
 
 def readiness(snapshot: ClusterSnapshot, needs_prefill: bool) -> Readiness:
-    """Ready when a decode worker is live, and (in a disaggregated cluster, `needs_prefill`) a
-    prefill worker too. A colocated cluster's decode workers prefill their own prompts."""
+    """Ready when a decode worker is serving, and (in a disaggregated cluster, `needs_prefill`)
+    a prefill worker too. Draining workers take no new work, so they do not count. A colocated
+    cluster's decode workers prefill their own prompts."""
     prefill, decode = len(snapshot.prefill_workers()), len(snapshot.decode_workers())
     missing = []
     if decode == 0:
-        missing.append("no decode worker is registered")
+        missing.append(_missing(snapshot, "decode"))
     if needs_prefill and prefill == 0:
-        missing.append("no prefill worker is registered")
+        missing.append(_missing(snapshot, "prefill"))
     if missing:
         stale = " (cluster state could not be read; last known state)" if snapshot.stale else ""
         return Readiness(False, "not ready: " + " and ".join(missing) + stale, prefill, decode)
     return Readiness(True, "ready", prefill, decode)
+
+
+def _missing(snapshot: ClusterSnapshot, role: Literal["prefill", "decode"]) -> str:
+    draining = sum(1 for w in snapshot.members(role) if w.draining)
+    if draining:
+        return f"no {role} worker is serving ({draining} draining)"
+    return f"no {role} worker is registered"
