@@ -266,12 +266,6 @@ def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
     return roles, access
 
 
-def register_admin_metrics(service, roles) -> None:
-    from router.ops.roles_metrics import RolesCollector
-
-    service.metrics.registry.register(RolesCollector(roles))
-
-
 # --- end of the roles, scaling and admin block ---------------------------------------------
 
 
@@ -284,7 +278,6 @@ async def serve_router(args: argparse.Namespace) -> None:
     service, backend, reader = build_service(args)
     api_key = api_key_from(args)
     roles, admin_access = build_admin(args, backend, reader, api_key)
-    register_admin_metrics(service, roles)
     ready = readiness_check(args, reader)
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
                                            max_request_bytes=args.max_request_bytes, readiness=ready,

@@ -58,6 +58,7 @@ from router.http_guards import (
 from router.ops.access import AdminAccess
 from router.ops.admin_http import admin_routes
 from router.ops.roles import RolesApi
+from router.ops.roles_metrics import RolesCollector
 from router.readiness import Readiness
 from router.results import ResponseHead
 from router.validation import DEFAULT_MAX_REQUEST_BYTES
@@ -124,6 +125,8 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
     app.include_router(_routes(service, settings))
     if settings.roles is not None:
         app.include_router(admin_routes(settings.roles))
+        # Beside the route that refreshes its view before each scrape (see /metrics).
+        service.metrics.registry.register(RolesCollector(settings.roles))
     # The last added runs first: id (so every refusal carries it), admin access, key, then body
     # size (so an unauthenticated client cannot make the router buffer a body).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
