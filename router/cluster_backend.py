@@ -146,9 +146,6 @@ class ClusterBackend:
     def channel(self, address: str) -> grpc.aio.Channel:
         """The pooled channel to a worker (every call carries the cluster-secret proof); shared
         with the ops calls (drain), closed by close()."""
-        return self._channel(address)
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = (
@@ -288,7 +285,7 @@ class ClusterBackend:
             info = snapshot.by_id(worker_id)
             if info is None:
                 continue
-            stub = worker_pb2_grpc.DecodeWorkerStub(self._channel(info.address))
+            stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(info.address))
             stream = stub.Decode(worker_pb2.DecodeRequest(
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
@@ -341,7 +338,7 @@ class ClusterBackend:
             if info is None:
                 continue
             self._placements[request.request_id].prefill_address = info.address
-            stub = worker_pb2_grpc.PrefillWorkerStub(self._channel(info.address))
+            stub = worker_pb2_grpc.PrefillWorkerStub(self.channel(info.address))
             try:
                 reply = await stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
@@ -379,7 +376,7 @@ class ClusterBackend:
 
     async def _abort_on(self, stub_type, address: str, request_id: str) -> None:
         try:
-            await stub_type(self._channel(address)).Abort(
+            await stub_type(self.channel(address)).Abort(
                 worker_pb2.AbortRequest(request_id=request_id), timeout=self.timeouts.abort_s)
         except grpc.aio.AioRpcError as exc:  # the worker may be gone; nothing to free there
             logger.info("abort of %s on %s failed: %s", request_id, address, exc.code().name)
