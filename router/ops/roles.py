@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from router.errors import Conflict, InvalidRequest, NotFound, RouterError, Unavailable
 from router.ops.scaling import SCALABLE_ROLES, RoleScale, Scaler, ScaleError, ScalerUnavailable
 
 DEFAULT_MAX_REPLICAS = 16
@@ -164,7 +164,7 @@ class RolesApi:
         """Update `last` for a metrics scrape; a failure keeps the previous view."""
         try:
             await self.roles()
-        except Unavailable:
+        except RouterError:  # a scrape must not fail for the scaler's sake
             pass
 
     async def _desired(self) -> dict[str, RoleScale]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from router.cluster_keys import ClusterSnapshot, WorkerInfo
 from router.ops.roles import DrainOutcome, RolesApi
-from router.ops.scaling import RoleScale, ScaleError, ScalerUnavailable
+from router.ops.scaling import RoleScale
 
 NOW = 1000.0
 """The roles API's clock in these tests (heartbeat ages are NOW - updated_at)."""
@@ -68,5 +68,3 @@ def roles_api(scaler=None, drain=None, cluster: ClusterSnapshot = CLUSTER, max_r
 
     return RolesApi(read, scaler, drain, max_replicas=max_replicas, clock=lambda: NOW)
 
-
-__all__ = ["FakeScaler", "RecordingDrain", "ScaleError", "ScalerUnavailable", "roles_api", "snapshot", "worker"]

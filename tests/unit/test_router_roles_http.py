@@ -190,3 +190,13 @@ def test_a_scaler_that_does_not_answer_is_503_after_its_bound(monkeypatch):
     assert (response.status_code, response.json()) == (503, error(
         "The scaler 'fake' did not answer within 0.05 s.", 503, "ServiceUnavailableError"))
     assert time.monotonic() - started < 10  # generous: the bound is 0.05 s on a loaded machine
+
+
+def test_metrics_keep_the_last_view_while_the_scaler_is_unavailable():
+    scaler = FakeScaler()
+    application = app(scaler)
+    call(application, "GET", "/metrics")
+    scaler.fail = ScalerUnavailable("gone")
+    response = call(application, "GET", "/metrics")
+    assert response.status_code == 200
+    assert 'pdserve_role_replicas{role="decode",state="desired"} 2.0' in response.text.splitlines()
