@@ -121,12 +121,12 @@ class WorkerProcess:
         start = time.monotonic()
         try:
             self.state = WorkerState.DRAINING
-            logger.info("%s worker %s draining: %d in flight, timeout %g s", self.spec.role,
-                        self.worker.worker_id, self.status().in_flight, timeout_s)
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             if self._heartbeat is not None:  # routers learn it now, not at the next interval
                 await asyncio.to_thread(self._heartbeat.beat)
             await asyncio.sleep(ROUTER_SNAPSHOT_PERIOD_S)
+            logger.info("%s worker %s draining: %d in flight, timeout %g s", self.spec.role,
+                        self.worker.worker_id, self.status().in_flight, timeout_s)
             result = await drain_of(self.worker, self.spec.role, timeout_s)
             self.drain_result = result
             logger.info("%s worker %s drained in %.2f s: %d finished, %d aborted at the timeout",
