@@ -12,7 +12,9 @@
       -> STOPPED   gRPC server stopped (grace), heartbeat stopped (its Redis entry deleted),
                    block events stopped, worker stopped; run() returns 0
     A second signal during the drain stops at once (in-flight calls end CANCELLED); run()
-    returns 1.
+    returns 1. SIGINT and SIGTERM are the same here: a supervisor should start workers in their
+    own session, so a terminal's Ctrl-C (sent to the whole foreground process group) does not
+    count as a worker's first signal on top of the supervisor's SIGTERM.
 
 Heartbeat, metrics and the drain read the worker only through `status()`: a frozen
 WorkerStatus, with the process's own DRAINING state laid over the worker's.
@@ -78,8 +80,13 @@ class WorkerProcess:
     # ------------------------------------------------------------------ running
     def run(self) -> int:
         """Build the worker (loads the model), serve until stopped; the exit code (0 after a
-        drain, 1 when a second signal cut it short)."""
-        self.worker = self.role.build(self.spec, self._secret)
+        drain, 1 when a second signal cut it short, 130 when interrupted while loading:
+        nothing was registered yet, so there is nothing to drain)."""
+        try:
+            self.worker = self.role.build(self.spec, self._secret)
+        except KeyboardInterrupt:
+            logger.info("%s worker interrupted while starting", self.spec.role)
+            return 130
         return asyncio.run(self.serve())
 
     async def serve(self) -> int:
