@@ -67,10 +67,11 @@ def started() -> Iterator[list[subprocess.Popen]]:
             process.wait(timeout=10)
 
 
-def decode_spec(model: Path, redis_url: str, tmp: Path, drain_timeout_s: float = 60.0) -> WorkerSpec:
+def decode_spec(model: Path, redis_url: str, tmp: Path, drain_timeout_s: float = 60.0,
+                role: str = "decode") -> WorkerSpec:
     engine = EngineConfig(model=str(model), tokenizer=str(default_model_path()), dtype="float32",
                           max_model_len=1024, num_gpu_blocks_override=256, num_threads=1)
-    return WorkerSpec(role="decode", engine=engine, worker_id="decode-wp", redis_url=redis_url,
+    return WorkerSpec(role=role, engine=engine, worker_id=f"{role}-wp", redis_url=redis_url,
                       cluster=CLUSTER, heartbeat_interval_s=0.5, heartbeat_ttl_s=3.0,
                       drain_timeout_s=drain_timeout_s, ready_file=str(tmp / "ready"))
 
@@ -129,22 +130,23 @@ def log_lines(log: Path, needle: str) -> list[str]:
     return [line for line in log.read_text().splitlines() if needle in line]
 
 
+@pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_worker_from_a_spec_registers_as_serving_and_sigterm_unregisters_it(tiny_model_dir, redis_url,
-                                                                              tmp_path, started):
-    spec = decode_spec(tiny_model_dir, redis_url, tmp_path)
+                                                                              tmp_path, started, role):
+    spec = decode_spec(tiny_model_dir, redis_url, tmp_path, role=role)
     process, log, grpc_port, metrics_port = start(spec, tmp_path, started)
-    info = registered(redis_url, "decode-wp")
+    info = registered(redis_url, f"{role}-wp")
     assert info is not None, log.read_text()
     assert (info.role, info.state, info.address, info.block_size, info.total_blocks) == (
-        "decode", "serving", f"127.0.0.1:{grpc_port}", 16, 256)
+        role, "serving", f"127.0.0.1:{grpc_port}", 16, 256)
     assert info.metrics_address == f"127.0.0.1:{metrics_port}"
     assert worker_gauges(metrics_port) == {"pdserve_worker_in_flight": 0.0, "pdserve_worker_draining": 0.0}
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=EXIT_TIMEOUT_S) == 0, log.read_text()
-    assert registered(redis_url, "decode-wp") is None
-    assert not in_workers_set(redis_url, "decode-wp")
-    assert len(log_lines(log, "decode worker decode-wp draining: 0 in flight, timeout 60 s")) == 1
+    assert registered(redis_url, f"{role}-wp") is None
+    assert not in_workers_set(redis_url, f"{role}-wp")
+    assert len(log_lines(log, f"{role} worker {role}-wp draining: 0 in flight, timeout 60 s")) == 1
     assert len(log_lines(log, "0 finished, 0 aborted at the timeout")) == 1
 
 
