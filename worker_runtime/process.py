@@ -176,8 +176,9 @@ class WorkerProcess:
             (self.role.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self._start_metrics()
         await self._server.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.state = WorkerState.SERVING
+        if self.state is WorkerState.STARTING:  # a Drain call may have come in the moment the server started
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self.state = WorkerState.SERVING
         self._start_publishers()
         self._announce(port)
 
