@@ -257,3 +257,39 @@ def test_the_drain_hook_a_servicer_receives_drains_and_stops_the_process_once(ti
     assert (len(hooks), first, again, code) == (1, (True, 0), (False, 0), 0)
     assert process.state is WorkerState.STOPPED
     assert process.drain_result is not None and (process.drain_result.finished, process.drain_result.aborted) == (0, 0)
+
+
+def _servicer_takes_the_drain_hook() -> bool:
+    import inspect
+
+    from decode_worker.servicer import DecodeWorkerServicer
+
+    return "request_drain" in inspect.signature(DecodeWorkerServicer).parameters
+
+
+@pytest.mark.skipif(not _servicer_takes_the_drain_hook(), reason="the workers' Drain RPC is not on this branch yet")
+def test_drain_rpc_past_its_timeout_ends_the_held_request_with_an_error_and_the_process_exits_zero(
+        tiny_model_dir, redis_url, tmp_path, started):
+    spec = decode_spec(tiny_model_dir, redis_url, tmp_path)
+    process, log, grpc_port, _ = start(spec, tmp_path, started)
+
+    async def hold_then_drain() -> tuple[worker_pb2.DrainResponse, worker_pb2.DrainResponse, grpc.aio.AioRpcError]:
+        async with internal_channel(f"127.0.0.1:{grpc_port}", load_cluster_secret()) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            # A reservation no prefill will fill: only the drain's timeout (1 s, not the spec's 60) ends it.
+            events = stub.Decode(decode_request("held-2", 8, False)).__aiter__()
+            assert (await events.__anext__()).ticket.num_blocks == 2
+            first = await stub.Drain(worker_pb2.DrainRequest(timeout_ms=1000), timeout=10)
+            again = await stub.Drain(worker_pb2.DrainRequest(), timeout=10)
+            await asyncio.to_thread(wait_for_state, redis_url, "decode-wp", "draining")
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for _ in events:
+                    pass
+            return first, again, ended.value
+
+    first, again, ended = asyncio.run(hold_then_drain())
+    assert (first.started, first.in_flight, again.started) == (True, 1, False)
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE and "drain" in ended.details(), ended.details()
+    assert process.wait(timeout=EXIT_TIMEOUT_S) == 0, log.read_text()
+    assert registered(redis_url, "decode-wp") is None
+    assert len(log_lines(log, "0 finished, 1 aborted at the timeout")) == 1
