@@ -9,18 +9,21 @@ TransferConfig.secret.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from decode_worker.servicer import DecodeWorkerServicer
 from decode_worker.worker import DecodeWorker
 from engine.core import EngineCore
 from kv_transfer.base import KV_TRANSFER_BACKENDS, ChannelAddress, TransferConfig
 from kv_transfer.pool import ChannelPool
-from pdserve.specs import WorkerSpec
 from prefill_worker.servicer import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_runtime.roles import RoleDef
+
+if TYPE_CHECKING:  # the spec is pdserve's; the runtime only reads its fields
+    from pdserve.specs import WorkerSpec
 
 __all__ = ["DECODE", "PREFILL", "build_decode", "build_prefill", "open_channel_via_grpc"]
 

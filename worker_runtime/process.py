@@ -28,18 +28,21 @@ import logging
 import signal
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.specs import WorkerSpec
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.limits import grpc_message_options
 from worker_runtime.compat import drain_of, status_of
 from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics
 from worker_runtime.roles import role_def
 from worker_runtime.status import DrainResult, WorkerState, WorkerStatus
+
+if TYPE_CHECKING:  # the spec is pdserve's; the runtime only reads its fields
+    from pdserve.specs import WorkerSpec
 
 __all__ = ["ROUTER_SNAPSHOT_PERIOD_S", "WorkerProcess"]
 
