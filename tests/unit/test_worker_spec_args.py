@@ -1,26 +1,42 @@
-"""`pdserve prefill|decode` flags <-> WorkerSpec: WorkerSpec.to_argv() parsed by the worker's own
-parser gives back an equal spec (the one place a spec becomes a command line, and its inverse)."""
+"""`pdserve prefill|decode` flags <-> WorkerSpec: WorkerSpec.to_argv() run through `pdserve`'s own
+command line gives back an equal spec (the one place a spec becomes a command line, and its inverse)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
+import worker_runtime.process
 from engine.config import EngineConfig
-from pdserve.cli import build_parser
+from pdserve.cli import main
 from pdserve.specs import WorkerSpec
-from pdserve.worker_main import worker_spec_from_args
 
 
-def subparser(role: str) -> argparse.ArgumentParser:
-    sub = next(a for a in build_parser()._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[role]
+class CapturedProcess:
+    """Stands in for worker_runtime's WorkerProcess (the other side of the seam): records the
+    spec the command line produced instead of loading a model."""
+
+    specs: list[WorkerSpec] = []
+
+    def __init__(self, spec: WorkerSpec, secret: bytes) -> None:
+        self.specs.append(spec)
+
+    def run(self) -> int:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def captured(monkeypatch) -> list[WorkerSpec]:
+    monkeypatch.setattr(worker_runtime.process, "WorkerProcess", CapturedProcess)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # tune_allocator leaves this test process alone
+    CapturedProcess.specs = []
+    return CapturedProcess.specs
 
 
 def parsed_spec(argv: list[str]) -> WorkerSpec:
-    args = build_parser().parse_args(argv)
-    return worker_spec_from_args(argv[0], args, subparser(argv[0]))
+    """The spec `pdserve <argv>` runs, through the real command line (cli.main)."""
+    assert main(argv) == 0
+    [spec] = CapturedProcess.specs
+    return spec
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -57,6 +73,6 @@ def test_invalid_worker_setting_exits_with_the_reason(capsys):
 
 def test_config_file_engine_settings_reach_the_spec_and_flags_win(tmp_path):
     config = tmp_path / "worker.yaml"
-    config.write_text("block-size: 32\nmax-num-seqs: 4\n")
-    spec = parsed_spec(["decode", "--config", str(config), "--max-num-seqs", "2", "--drain-timeout", "9"])
-    assert (spec.engine.block_size, spec.engine.max_num_seqs, spec.drain_timeout_s) == (32, 2, 9.0)
+    config.write_text("max-model-len: 512\nkv-cache-memory: 67108864\n")
+    spec = parsed_spec(["decode", "--config", str(config), "--max-model-len", "256", "--drain-timeout", "9"])
+    assert (spec.engine.max_model_len, spec.engine.kv_cache_memory, spec.drain_timeout_s) == (256, 64 << 20, 9.0)
