@@ -2,7 +2,7 @@
 benchmarks/router_overhead.py only, never for serving.
 
 They speak the real worker protos over real gRPC and register in Redis with real heartbeats
-(pdserve.heartbeat.HeartbeatPublisher + WorkerInfo), so the real router routes to them as to
+(worker_runtime.heartbeat.HeartbeatPublisher + WorkerInfo), so the real router routes to them as to
 real workers; but they compute nothing and hold no KV. What is left of a request's latency is
 the router's own work (HTTP, validation, tokenization, routing, gRPC fan-out, detokenization,
 SSE) plus gRPC and loopback costs, which the benchmark measures separately by calling the
@@ -35,7 +35,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from pdserve.heartbeat import HeartbeatPublisher  # noqa: E402
+from worker_runtime.heartbeat import HeartbeatPublisher  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
 from proto.internal_auth import ClusterAuthServerInterceptor, require_cluster_secret  # noqa: E402
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402

@@ -1,16 +1,18 @@
-"""`pdserve prefill` / `pdserve decode`: one worker process (what Helm and Ray run)."""
+"""`pdserve prefill` / `pdserve decode`: one worker process (what Helm and Ray run).
+
+Thin on purpose: flags (and --config FILE.yaml) -> a WorkerSpec -> worker_runtime's
+WorkerProcess, which builds, serves and drains the worker."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import logging
 import os
-import time
 
-from kv_transfer.base import KV_TRANSFER_BACKENDS, TransferConfig
+from kv_transfer.base import KV_TRANSFER_BACKENDS
 from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.specs import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-ttl", type=float, default=5.0)
     g.add_argument("--kv-snapshot-interval", type=float, default=10.0,
                    help="seconds between full snapshots of cached block hashes for routers")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM/SIGINT or a Drain call: seconds in-flight requests get to finish "
+                        "before they end with an error (a second signal stops at once)")
     g.add_argument("--ready-file", default=None, help="write 'grpc_port metrics_port' here when serving")
     add_engine_args(parser)
 
@@ -52,70 +57,28 @@ def tune_allocator() -> None:
         logger.debug("not glibc: allocator left as it is")
 
 
-def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pdserve.worker_metrics import serve_metrics
-    from pdserve.worker_server import build_worker, serve
-    from proto.internal_auth import require_cluster_secret
+def worker_spec_from_args(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> WorkerSpec:
+    """The WorkerSpec the flags (and --config file) describe; an invalid value exits through
+    parser.error with the reason (no traceback). The inverse of WorkerSpec.to_argv()."""
+    engine = engine_config_from_args(args, parser)
+    try:
+        return WorkerSpec(
+            role=role, engine=engine, worker_id=args.worker_id, host=args.host, port=args.port,
+            metrics_port=args.metrics_port, redis_url=args.redis_url, cluster=args.cluster,
+            kv_transfer=args.kv_transfer, transfer_timeout_s=args.transfer_timeout,
+            heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
+            kv_snapshot_interval_s=args.kv_snapshot_interval, drain_timeout_s=args.drain_timeout,
+            ready_file=args.ready_file, log_level=args.log_level)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
 
+
+def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from proto.internal_auth import require_cluster_secret
+    from worker_runtime.process import WorkerProcess
+
+    spec = worker_spec_from_args(role, args, parser)
     secret = require_cluster_secret(f"pdserve {role}")  # before the model loads: fail fast
     tune_allocator()
-    config = engine_config_from_args(args, parser)
-    transfer = TransferConfig(host=args.host, timeout_s=args.transfer_timeout, secret=secret)
-    worker = build_worker(role, config, transfer, args.kv_transfer)
-    if args.worker_id:
-        worker.worker_id = args.worker_id
-    metrics_port = serve_metrics(worker, role, args.host, args.metrics_port)
-    heartbeat = kv_events = None
-
-    def on_ready(grpc_port: int) -> None:
-        nonlocal heartbeat, kv_events
-        address = f"{args.host}:{grpc_port}"
-        if args.redis_url:
-            from pdserve.heartbeat import HeartbeatPublisher
-
-            from proto.auth import load_cluster_secret
-
-            heartbeat = HeartbeatPublisher(  # Redis credentials: from the environment
-                args.redis_url, args.cluster, lambda: worker_info(worker, role, address, args.host, metrics_port),
-                interval_s=args.heartbeat_interval, ttl_s=args.heartbeat_ttl, secret=load_cluster_secret())
-            heartbeat.start()
-            from pdserve.kv_events import KVEventPublisher
-
-            kv_events = KVEventPublisher(
-                args.redis_url, args.cluster, worker.worker_id, worker.incarnation,
-                worker.core.take_block_events, worker.core.cached_block_hashes,
-                snapshot_interval_s=args.kv_snapshot_interval,
-                retention_s=max(60.0, 2 * args.kv_snapshot_interval))
-            worker.loop.add_poll_hook(kv_events.poll)
-            kv_events.start()
-        else:  # nobody publishes the block events: drain them, or the core keeps them all
-            worker.loop.add_poll_hook(worker.core.take_block_events)
-        if args.ready_file:
-            with open(args.ready_file, "w") as f:
-                f.write(f"{grpc_port} {metrics_port}\n")
-        print(f"pdserve {role} worker {worker.worker_id}: gRPC {address}, metrics "
-              f"http://{args.host}:{metrics_port}/metrics", flush=True)
-
-    try:
-        asyncio.run(serve(role, worker, args.host, args.port, secret, on_ready))
-    finally:
-        if kv_events is not None:
-            kv_events.stop()
-        if heartbeat is not None:
-            heartbeat.stop()
-    return 0
-
-
-def worker_info(worker, role: str, address: str, host: str, metrics_port: int):
-    from router.cluster_keys import WorkerInfo
-
-    s = worker.loop.stats
-    return WorkerInfo(
-        worker_id=worker.worker_id, role=role, address=address,
-        metrics_address=f"{host}:{metrics_port}", incarnation=worker.incarnation,
-        block_size=worker.core.config.block_size, total_blocks=s.total_blocks,
-        free_blocks=s.free_blocks, reserved_blocks=s.reserved_blocks, cached_blocks=s.cached_blocks,
-        num_running=s.num_running, num_waiting=s.num_waiting,
-        queued_prefill_tokens=s.queued_prefill_tokens, max_model_len=worker.core.max_model_len,
-        updated_at=time.time(),
-    )
+    return WorkerProcess(spec, secret).run()

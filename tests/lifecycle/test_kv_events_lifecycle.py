@@ -15,7 +15,7 @@ from engine.loader.locate import default_model_path
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.serving_loop import ServingLoop
-from pdserve.kv_events import KVEventPublisher
+from worker_runtime.kv_events import KVEventPublisher
 from pdserve.redis_server import EmbeddedRedis
 from router.redis_settings import RedisAuth
 from router.cluster_keys import ClusterSnapshot, WorkerInfo

@@ -16,7 +16,7 @@ import pytest
 
 from engine.kv_cache.block_pool import BlockEvents, BlockPool
 from engine.kv_cache.hashing import hash_full_blocks
-from pdserve.kv_events import KVEventPublisher, order_events
+from worker_runtime.kv_events import KVEventPublisher, order_events
 from pdserve.redis_server import EmbeddedRedis, free_port
 from router.redis_settings import PASSWORD_ENV, sync_client
 from router.cluster_keys import kv_events_key
@@ -263,7 +263,7 @@ def test_after_redis_restarts_the_worker_republishes_a_snapshot_and_the_index_ca
         first.stop()
         if second is not None:
             second.stop()
-    publisher_logs = [r for r in caplog.records if r.name == "pdserve.kv_events"]
+    publisher_logs = [r for r in caplog.records if r.name == "worker_runtime.kv_events"]
     assert [r.levelname for r in publisher_logs] == ["WARNING", "INFO"]
     assert publisher_logs[1].getMessage() == (
         f"block events to Redis at {first.url} work again; publishing a snapshot"
@@ -303,7 +303,7 @@ def test_redis_down_at_start_never_blocks_the_engine_loop_and_queues_nothing(cle
 
         asyncio.run(main())
         publisher.stop()
-    levels = [r.levelname for r in caplog.records if r.name == "pdserve.kv_events"]
+    levels = [r.levelname for r in caplog.records if r.name == "worker_runtime.kv_events"]
     assert levels == ["WARNING", "INFO"]
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdserve.heartbeat import HeartbeatPublisher
+from worker_runtime.heartbeat import HeartbeatPublisher
 from pdserve.redis_server import EmbeddedRedis, free_port
 from router.redis_settings import PASSWORD_ENV, sync_client
 from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
@@ -278,7 +278,7 @@ def test_reader_routes_on_its_last_snapshot_while_redis_is_down_then_catches_up(
     assert reader_logs[1].getMessage().startswith(
         f"Redis at {url} is readable again after 2 failed reads; "
     )
-    heartbeat_logs = [r for r in caplog.records if r.name == "pdserve.heartbeat"]
+    heartbeat_logs = [r for r in caplog.records if r.name == "worker_runtime.heartbeat"]
     assert [r.levelname for r in heartbeat_logs] == ["WARNING", "INFO"]
 
 
@@ -298,7 +298,7 @@ def test_heartbeat_keeps_trying_while_redis_is_down_and_logs_once(publishers, ca
         assert publisher.beats >= 1
         assert publisher.redis_ok is True
         publisher.stop()
-    logs = [r for r in caplog.records if r.name == "pdserve.heartbeat"]
+    logs = [r for r in caplog.records if r.name == "worker_runtime.heartbeat"]
     assert [r.levelname for r in logs] == ["WARNING", "INFO"]
     assert logs[1].getMessage() == f"heartbeat to Redis at {url} works again"
 

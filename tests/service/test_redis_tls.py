@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pdserve.heartbeat import HeartbeatPublisher
+from worker_runtime.heartbeat import HeartbeatPublisher
 from pdserve.redis_server import free_port
 from router.cluster_state import ClusterStateReader
 from router.redis_settings import PASSWORD_ENV, RedisAuth, sync_client

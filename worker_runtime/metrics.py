@@ -1,22 +1,28 @@
-"""A worker's /metrics: vLLM's gauge names with a `role` label, plus KV transfer totals."""
+"""A worker's /metrics: vLLM's gauge names with a `role` label, plus KV transfer totals and
+the worker's drain state. Everything dynamic is read from one frozen WorkerStatus per scrape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from worker_runtime.status import WorkerState, WorkerStatus
 
 
 class WorkerCollector:
-    """Reads the worker's state at scrape time (counts are plain ints; reads are racy but
-    each value is a whole int or float, which is enough for monitoring)."""
+    """Reads `status()` once per scrape (a frozen snapshot, any thread); the capacity families
+    are fixed after start-up and built once."""
 
-    def __init__(self, worker, role: str) -> None:
-        self.worker = worker
-        self.role = role
+    def __init__(self, status: Callable[[], WorkerStatus], capacity: list[GaugeMetricFamily]) -> None:
+        self._status = status
+        self._capacity = capacity
 
-    def collect(self):
-        s = self.worker.loop.stats
-        labels = {"role": self.role, "worker_id": self.worker.worker_id}
+    def collect(self) -> Iterator[Metric]:
+        status = self._status()
+        s = status.core
+        labels = {"role": status.role, "worker_id": status.worker_id}
         names = list(labels)
         values = list(labels.values())
 
@@ -49,11 +55,15 @@ class WorkerCollector:
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        yield from capacity_metrics(self.worker.core, labels)
-        nbytes, seconds, count = transfer_totals(self.worker)
-        yield counter("pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode).", nbytes)
-        yield counter("pdserve_kv_transfer_seconds", "Seconds spent in KV transfers.", seconds)
-        yield counter("pdserve_kv_transfers", "KV transfers completed.", count)
+        yield from self._capacity
+        t = status.transfers
+        yield counter("pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode).", t.nbytes)
+        yield counter("pdserve_kv_transfer_seconds", "Seconds spent in KV transfers.", t.seconds)
+        yield counter("pdserve_kv_transfers", "KV transfers completed.", t.count)
+        yield counter("pdserve_kv_transfer_failures", "KV transfers that failed.", t.failures)
+        yield gauge("pdserve_worker_in_flight", "Requests this worker still owes an answer.", status.in_flight)
+        yield gauge("pdserve_worker_draining", "1 while the worker drains (routers send it no new work).",
+                    1.0 if status.state is WorkerState.DRAINING else 0.0)
 
 
 def capacity_metrics(core, labels: dict[str, str]) -> list[GaugeMetricFamily]:
@@ -91,13 +101,10 @@ def capacity_metrics(core, labels: dict[str, str]) -> list[GaugeMetricFamily]:
     return families
 
 
-def transfer_totals(worker) -> tuple[int, float, int]:
-    return worker.transfer_bytes, worker.transfer_seconds, worker.transfers
-
-
-def serve_metrics(worker, role: str, host: str, port: int) -> int:
-    """Start the /metrics HTTP server in a daemon thread; returns the bound port."""
+def serve_metrics(collector: WorkerCollector, host: str, port: int):
+    """Start the /metrics HTTP server in a daemon thread; returns (server, bound port). The
+    caller shuts the server down (server.shutdown()) when the worker stops."""
     registry = CollectorRegistry()
-    registry.register(WorkerCollector(worker, role))
+    registry.register(collector)
     server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server.server_port
+    return server, server.server_port

@@ -9,6 +9,11 @@ beat registers the worker again.
 With the cluster secret the hash is signed (router/cluster_keys.signed_hash), so routers that
 hold the secret can tell it from an entry written by anyone else with access to Redis.
 
+`heartbeat_info` turns a worker's frozen WorkerStatus into the WorkerInfo a beat writes, so the
+heartbeat reads the worker only through status(). Beats are serialized (one lock), so a beat
+taken after the worker turned DRAINING is never overwritten by an older "serving" one: a drain
+calls beat() itself to publish the state at once.
+
 Redis being down never stops the worker: a failed beat is logged once per outage (and once
 when Redis is back) and retried at the next interval.
 """
@@ -17,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import redis
 from redis.backoff import NoBackoff
@@ -26,7 +33,10 @@ from redis.retry import Retry
 from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
 from router.redis_settings import RedisAuth, redact_url, sync_client
 
-__all__ = ["HeartbeatPublisher"]
+if TYPE_CHECKING:  # worker_runtime.status imports the engine (torch); a publisher needs neither
+    from worker_runtime.status import WorkerStatus
+
+__all__ = ["HeartbeatPublisher", "heartbeat_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,21 @@ if redis.call('HGET', KEYS[1], 'incarnation') == ARGV[1] then
 end
 return 0
 """
+
+
+def heartbeat_info(status: WorkerStatus, address: str, metrics_address: str) -> WorkerInfo:
+    """The heartbeat of a worker whose status is `status`, serving gRPC on `address`.
+    A DRAINING worker is published as "draining" (routers choose it no more); any other
+    state as "serving" (a heartbeat is written only while the worker is registered)."""
+    s = status.core
+    return WorkerInfo(
+        worker_id=status.worker_id, role=status.role, address=address, metrics_address=metrics_address,
+        incarnation=status.incarnation, block_size=status.block_size, total_blocks=s.total_blocks,
+        free_blocks=s.free_blocks, reserved_blocks=s.reserved_blocks, cached_blocks=s.cached_blocks,
+        num_running=s.num_running, num_waiting=s.num_waiting, queued_prefill_tokens=s.queued_prefill_tokens,
+        max_model_len=status.max_model_len, updated_at=time.time(),
+        state="draining" if status.state.value == "draining" else "serving",  # WorkerState.DRAINING
+    )
 
 
 class HeartbeatPublisher:
@@ -87,6 +112,7 @@ class HeartbeatPublisher:
             retry=Retry(NoBackoff(), 0),
         )
         self._stop = threading.Event()
+        self._beat_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._last: WorkerInfo | None = None
         self._ok = True
@@ -116,7 +142,13 @@ class HeartbeatPublisher:
                 return
 
     def beat(self) -> bool:
-        """Write one heartbeat now. Never raises; returns whether it was written."""
+        """Write one heartbeat now (any thread; waits for a beat in progress, each at most the
+        client's socket timeout). Never raises; returns whether it was written (never after
+        stop(): a late beat must not register again the worker that stop() unregistered)."""
+        with self._beat_lock:
+            return not self._stop.is_set() and self._beat()
+
+    def _beat(self) -> bool:
         try:
             info = self._info()
             key = worker_key(self.cluster, info.worker_id)
@@ -155,7 +187,8 @@ class HeartbeatPublisher:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("heartbeat thread did not stop within %g s", timeout_s)
-        last, self._last = self._last, None
+        with self._beat_lock:  # a beat in progress on another thread finishes first
+            last, self._last = self._last, None
         if last is not None:
             try:
                 self._client.eval(
