@@ -137,9 +137,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a worker being removed (scale-down, Ctrl-C) may finish its in-flight "
                         "requests; past it they end with an explicit error")
-    if "--max-replicas" not in up._option_string_actions:  # noqa: SLF001 — unless the router's flags bring it
-        g.add_argument("--max-replicas", type=int, default=16,
-                       help="most workers per role a scale request may ask for")
+    g.add_argument("--max-replicas", type=int, default=16,
+                   help="most workers per role a scale request may ask for (the router and supervisor both hold to it)")
     from pdserve.router_main import add_routing_args
 
     add_routing_args(up.add_argument_group("routing and admission"))

@@ -79,13 +79,19 @@ def config_file_argv(parser: argparse.ArgumentParser, path: Path) -> list[str]:
         name = str(key).replace("_", "-")
         action = parser._option_string_actions.get("--" + name)  # noqa: SLF001 — argparse's flag table
         if action is None or name == "config":
-            known = sorted(s[2:] for s in parser._option_string_actions if s.startswith("--") and s != "--help")  # noqa: SLF001
-            raise ConfigFileError(f"{path}: unknown key {key!r} (known: {', '.join(known)})")
+            raise ConfigFileError(f"{path}: unknown key {key!r} (known: {', '.join(_known_keys(parser))})")
         try:
             argv += _flag_tokens(action, "--" + name, value)
         except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
             raise ConfigFileError(f"{path}: {key}: {exc}") from None
     return argv
+
+
+def _known_keys(parser: argparse.ArgumentParser) -> list[str]:
+    """Each settable flag once, by its first long name (not --help, --config, --no-x)."""
+    names = {a.option_strings[0][2:] for a in parser._actions  # noqa: SLF001
+             if a.option_strings and a.option_strings[0].startswith("--") and a.dest not in ("help", "config")}
+    return sorted(names)
 
 
 def _load_mapping(path: Path) -> dict:
