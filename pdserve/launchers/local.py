@@ -102,6 +102,13 @@ class LocalCluster:
     def start(self) -> None:
         """Redis, the workers (until each serves), the router. Raises RuntimeError when a
         child fails to start, Stopping on Ctrl-C."""
+        self.start_state()
+        self.start_workers()
+        self.start_router()
+
+    def start_state(self) -> None:
+        """Redis (embedded unless --redis-url), the children's environment, the initial
+        desired counts."""
         redis_url, redis_auth = self._redis()
         if self.args.api_key:
             print(API_KEY_WARNING, file=sys.stderr, flush=True)
@@ -111,14 +118,13 @@ class LocalCluster:
         assert secret is not None, "secrets_env sets a cluster secret unless the user has one"
         self.store = ScaleStore(redis_url, self.args.cluster, secret, self.max_replicas)
         self.store.set_initial(self.initial_counts())
-        self._start_workers()
-        self._start_router()
 
     @property
     def max_replicas(self) -> int:
         return self.args.max_replicas
 
-    def _start_workers(self) -> None:
+    def start_workers(self) -> None:
+        """The initial workers, until each serves (bounded); one that exits first fails the start."""
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
         while True:
             self.reconcile()
@@ -132,7 +138,7 @@ class LocalCluster:
             if not self.signals.sleep(0.1, below=1):
                 raise Stopping
 
-    def _start_router(self) -> None:
+    def start_router(self) -> None:
         spec = dataclasses.replace(RouterSpec.from_args(self.args), redis_url=self.redis_url, scaler="local",
                                    max_replicas=self.max_replicas, ready_file=str(self.workdir / "router.ready"),
                                    log_level=self.args.log_level)
