@@ -1,0 +1,120 @@
+"""`pdserve up`'s supervisor with real worker processes (a tiny model), real Redis and the
+router's real local scaler: scale up starts a worker, scale down drains the newest, and a
+SIGKILLed worker comes back under its id with a new incarnation, counted as a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from engine.loader.locate import default_model_path
+from pdserve.cli import build_parser
+from pdserve.launchers.local import LocalCluster
+from pdserve.redis_server import EmbeddedRedis
+from pdserve.scalers.local import LocalScaler
+from proto.auth import load_cluster_secret
+from router.cluster_keys import worker_key
+from router.ops.scaling import RoleScale
+from router.redis_settings import PASSWORD_ENV, sync_client
+from tests.tiny_model import write_tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+CLUSTER = "suptest"
+PASSWORD = "supervisor-test-password"
+START_TIMEOUT_S = 240.0
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch) -> Iterator[LocalCluster]:
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    model = write_tiny_model(tmp_path / "tiny")
+    with EmbeddedRedis(password=PASSWORD) as redis:
+        args = build_parser().parse_args([
+            "up", "--redis-url", redis.url, "--cluster", CLUSTER, "--prefill", "0", "--decode", "1",
+            "--drain-timeout", "5", "--model", str(model), "--tokenizer", str(default_model_path()),
+            "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--num-threads", "1"])
+        local = LocalCluster(args)
+        try:
+            local.start_state()
+            local.start_workers()
+            yield local
+        finally:
+            local.stop()
+
+
+def reconcile_until(cluster: LocalCluster, done: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S):
+    """Run the supervisor's loop (as `pdserve up` does) until done(); bounded."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s: {slots(cluster)}"
+        cluster.reconcile()
+        time.sleep(0.5)
+
+
+def slots(cluster: LocalCluster) -> list[tuple[str, str]]:
+    return [(s.worker_id, s.state) for s in cluster.supervisor.slots]
+
+
+def registered(cluster: LocalCluster, worker_id: str) -> dict[str, str]:
+    """The worker's heartbeat hash in Redis (empty when none)."""
+    raw = sync_client(cluster.redis_url).hgetall(worker_key(CLUSTER, worker_id))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def scale(cluster: LocalCluster, role: str, replicas: int) -> RoleScale:
+    """Through the router's side: the local scaler writes the signed desired count."""
+    async def call():
+        scaler = LocalScaler(cluster.redis_url, CLUSTER, load_cluster_secret())
+        try:
+            return await scaler.scale(role, replicas)
+        finally:
+            await scaler.aclose()
+
+    return asyncio.run(call())
+
+
+def desired(cluster: LocalCluster) -> dict[str, RoleScale]:
+    async def call():
+        scaler = LocalScaler(cluster.redis_url, CLUSTER, load_cluster_secret())
+        try:
+            return await scaler.desired()
+        finally:
+            await scaler.aclose()
+
+    return asyncio.run(call())
+
+
+def test_scale_up_down_and_a_killed_worker_restarted(cluster):
+    assert slots(cluster) == [("decode-0", "ready")]
+    reconcile_until(cluster, lambda: registered(cluster, "decode-0").get("state") == "serving", "decode-0 registers")
+
+    assert scale(cluster, "decode", 2) == RoleScale("decode", 2, 0)
+    reconcile_until(cluster, lambda: slots(cluster) == [("decode-0", "ready"), ("decode-1", "ready")],
+                    "scale up to 2")
+    reconcile_until(cluster, lambda: registered(cluster, "decode-1").get("state") == "serving", "decode-1 registers")
+    assert desired(cluster)["decode"] == RoleScale("decode", 2, 0)
+
+    newest = cluster.supervisor.slots[1].process
+    scale(cluster, "decode", 1)
+    cluster.reconcile()
+    assert slots(cluster) == [("decode-0", "ready"), ("decode-1", "draining")]
+    reconcile_until(cluster, lambda: slots(cluster) == [("decode-0", "ready")], "decode-1 drains and exits", 60)
+    assert newest.poll() == 0  # drained, then exited by itself
+    with pytest.raises(ProcessLookupError):
+        os.kill(newest.pid, 0)
+
+    first = cluster.supervisor.slots[0].process
+    incarnation = registered(cluster, "decode-0")["incarnation"]
+    os.kill(first.pid, signal.SIGKILL)
+    reconcile_until(cluster, lambda: cluster.supervisor.slots[0].process is not first
+                    and slots(cluster) == [("decode-0", "ready")], "decode-0 restarts")
+    reconcile_until(cluster, lambda: registered(cluster, "decode-0").get("incarnation", incarnation) != incarnation,
+                    "the new incarnation registers")
+    assert cluster.supervisor.restarts == {"prefill": 0, "decode": 1}
+    assert desired(cluster) == {"prefill": RoleScale("prefill", 0, 0), "decode": RoleScale("decode", 1, 1)}
