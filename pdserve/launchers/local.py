@@ -116,7 +116,8 @@ class LocalCluster:
         self.redis_url = redis_url
         secret = load_cluster_secret(self.env)
         assert secret is not None, "secrets_env sets a cluster secret unless the user has one"
-        self.store = ScaleStore(redis_url, self.args.cluster, secret, self.max_replicas)
+        given = redis_auth if redis_auth.username or redis_auth.password else None  # else: this environment's
+        self.store = ScaleStore(redis_url, self.args.cluster, secret, self.max_replicas, given)
         self.store.set_initial(self.initial_counts())
 
     @property

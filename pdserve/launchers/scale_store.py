@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pdserve.scalers.desired_state import STATUS_TTL_S, DesiredCount, decode_desired, text_map
 from router.cluster_keys import desired_replicas_key, scaler_status_key
 from router.ops.scaling import SCALABLE_ROLES
+from router.redis_settings import RedisAuth
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +23,12 @@ class ScaleStore:
     does not verify, is older than the last one taken, or asks for more than max_replicas is
     ignored (logged once per distinct value)."""
 
-    def __init__(self, redis_url: str, cluster: str, secret: bytes, max_replicas: int) -> None:
-        from router.redis_settings import sync_client  # credentials: from the environment
+    def __init__(self, redis_url: str, cluster: str, secret: bytes, max_replicas: int,
+                 auth: RedisAuth | None = None) -> None:
+        """auth: the credentials (the embedded Redis's password); None: from the environment."""
+        from router.redis_settings import sync_client
 
-        self._redis = sync_client(redis_url, socket_timeout=REDIS_TIMEOUT_S,
+        self._redis = sync_client(redis_url, auth, socket_timeout=REDIS_TIMEOUT_S,
                                   socket_connect_timeout=REDIS_TIMEOUT_S)
         self._cluster, self._secret, self._max = cluster, secret, max_replicas
         self._current: dict[str, DesiredCount] = {}

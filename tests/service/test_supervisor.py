@@ -15,7 +15,6 @@ import pytest
 from engine.loader.locate import default_model_path
 from pdserve.cli import build_parser
 from pdserve.launchers.local import LocalCluster
-from pdserve.redis_server import EmbeddedRedis
 from pdserve.scalers.local import LocalScaler
 from proto.auth import load_cluster_secret
 from router.cluster_keys import worker_key
@@ -26,26 +25,28 @@ from tests.tiny_model import write_tiny_model
 pytestmark = pytest.mark.timeout(600)
 
 CLUSTER = "suptest"
-PASSWORD = "supervisor-test-password"
 START_TIMEOUT_S = 240.0
 
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch) -> Iterator[LocalCluster]:
-    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    """`pdserve up --prefill 0 --decode 1` without its router, on its own embedded Redis (whose
+    password only the supervisor and its children know; the router side gets it from the
+    environment, as `pdserve up` hands it over)."""
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
     model = write_tiny_model(tmp_path / "tiny")
-    with EmbeddedRedis(password=PASSWORD) as redis:
-        args = build_parser().parse_args([
-            "up", "--redis-url", redis.url, "--cluster", CLUSTER, "--prefill", "0", "--decode", "1",
-            "--drain-timeout", "5", "--model", str(model), "--tokenizer", str(default_model_path()),
-            "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--num-threads", "1"])
-        local = LocalCluster(args)
-        try:
-            local.start_state()
-            local.start_workers()
-            yield local
-        finally:
-            local.stop()
+    args = build_parser().parse_args([
+        "up", "--cluster", CLUSTER, "--prefill", "0", "--decode", "1", "--drain-timeout", "5",
+        "--model", str(model), "--tokenizer", str(default_model_path()), "--dtype", "float32",
+        "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--num-threads", "1"])
+    local = LocalCluster(args)
+    try:
+        local.start_state()
+        local.start_workers()
+        monkeypatch.setenv(PASSWORD_ENV, local.redis.password)  # the router's environment
+        yield local
+    finally:
+        local.stop()
 
 
 def reconcile_until(cluster: LocalCluster, done: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S):

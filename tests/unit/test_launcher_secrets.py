@@ -46,7 +46,7 @@ class FakePopen:
 class FakeStore:
     """The Redis side of the scaler (not under test here): desired counts as set."""
 
-    def __init__(self, redis_url, cluster, secret, max_replicas) -> None:
+    def __init__(self, redis_url, cluster, secret, max_replicas, auth=None) -> None:
         self.desired: dict[str, int] = {}
 
     def set_initial(self, counts):
