@@ -13,6 +13,7 @@ Exit codes: 0 done; 1 the router refused or could not be reached, or --wait time
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -136,6 +137,8 @@ def settled(entry: dict, replicas: int) -> bool:
 def scale(args: argparse.Namespace) -> int:
     import httpx
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per poll of --wait
+
     assignments = parse_assignments(args.assignments)
     with httpx.Client(timeout=args.timeout) as client:
         if not assignments:
@@ -153,9 +156,10 @@ def scale(args: argparse.Namespace) -> int:
 def _wait(client, args: argparse.Namespace, assignments: list[Assignment]) -> None:
     deadline = time.monotonic() + args.timeout
     while True:
-        roles = roles_by_name(_request(client, "GET", "/v1/roles", args, headers=headers(args, write=False)))
+        body = _request(client, "GET", "/v1/roles", args, headers=headers(args, write=False))
+        roles = roles_by_name(body)
         if all(settled(roles.get(a.role, {}), a.replicas) for a in assignments):
-            print(format_roles({"roles": list(roles.values())}))
+            print(format_roles(body))
             return
         if time.monotonic() > deadline:
             state = ", ".join(f"{a.role} ready {roles.get(a.role, {}).get('ready')}/{a.replicas}" for a in assignments)

@@ -128,7 +128,9 @@ def test_scale_wait_polls_until_ready_equals_desired(stub, monkeypatch, capsys):
     stub.ready_after_gets = 2
     assert main(["scale", "decode=2", "--url", stub.url, "--wait", "--timeout", "30"]) == 0
     assert [c[0] for c in stub.calls] == ["PUT", "GET", "GET", "GET"]
-    assert "decode         2     2        0        2" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == ["decode: desired 2 (ready 1)", "scaler: local", "ROLE     DESIRED READY DRAINING RESTARTS"]
+    assert out[5] == "decode         2     2        0        2"
 
 
 def test_scale_wait_gives_up_after_its_timeout_with_exit_1(stub, monkeypatch, capsys):
