@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from engine.loader.locate import default_model_path
 from pdserve.cli import build_parser
 from pdserve.launchers.local import LocalCluster
+from pdserve.redis_server import free_port
 from pdserve.scalers.local import LocalScaler
 from proto.auth import load_cluster_secret
 from router.cluster_keys import worker_key
@@ -119,3 +123,60 @@ def test_scale_up_down_and_a_killed_worker_restarted(cluster):
                     "the new incarnation registers")
     assert cluster.supervisor.restarts == {"prefill": 0, "decode": 1}
     assert desired(cluster) == {"prefill": RoleScale("prefill", 0, 0), "decode": RoleScale("decode", 1, 1)}
+
+
+def start_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """`pdserve up` as a user runs it (tiny model, its own embedded Redis), until it is up."""
+    model = write_tiny_model(tmp_path / "tiny")
+    log = tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(free_port()), "--grpc-port", str(free_port()),
+           "--cluster", "ctrlc", "--model", str(model), "--tokenizer", str(default_model_path()),
+           "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--num-threads", "1",
+           *flags]
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "pdserve is up" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"pdserve up did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return process, log
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_drains_everything_and_a_second_stops_at_once_without_a_traceback(tmp_path, signals):
+    process, log = start_up(tmp_path, "--prefill", "1", "--decode", "1", "--drain-timeout", "30")
+    kids = children(process.pid)
+    try:
+        assert len(kids) == 4  # Redis, decode-0, prefill-0, router
+        for _ in range(signals):
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert "pdserve up: stopping (draining; Ctrl-C again to stop at once)" in text
+    if signals == 1:
+        assert "worker decode-0 drained and exited with code 0" in text
+        assert "worker prefill-0 drained and exited with code 0" in text
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in kids if alive(pid)] == []
