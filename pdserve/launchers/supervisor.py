@@ -23,7 +23,6 @@ States of one worker slot (`WorkerSlot.state`):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -216,6 +215,3 @@ def _removal_order(live: Iterable[WorkerSlot]) -> list[WorkerSlot]:
     rank = {"backoff": 0, "starting": 1, "ready": 2}
     return sorted(live, key=lambda s: (rank[s.state], -s.order))
 
-
-def with_id(spec: WorkerSpec, worker_id: str, ready_file: str) -> WorkerSpec:
-    return dataclasses.replace(spec, worker_id=worker_id, ready_file=ready_file)
