@@ -1,4 +1,5 @@
-"""`pdserve` command line: `generate` and `chat` run the engine in this process."""
+"""`pdserve` command line: `generate` and `chat` run the engine in this process; `up` runs a
+supervised cluster of local processes; `scale` is the client of the router's roles API."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.engine_args import ConfigFileError, add_config_arg, add_engine_args, config_file_argv, engine_config_from_args
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", parents=[common], help="run the router (OpenAI HTTP + gRPC)")
     add_router_args(router)
+    add_config_arg(router)
     router.set_defaults(func=run_router)
 
     from pdserve.plan import add_plan_args, run_plan
@@ -109,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", parents=[common], help="run a whole cluster on this machine")
     add_up_args(up)
     up.set_defaults(func=cmd_up)
+
+    from pdserve.scale_client import add_scale_args, cmd_scale
+
+    scale = sub.add_parser("scale", parents=[common],
+                           help="set a role's replicas through the router (no assignments: show the roles)")
+    add_scale_args(scale)
+    scale.set_defaults(func=cmd_scale)
     return parser
 
 
@@ -125,6 +134,11 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default="default")
     g.add_argument("--kv-transfer", default="gloo")
     g.add_argument("--api-key", default=None)
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds a worker being removed (scale-down, Ctrl-C) may finish its in-flight "
+                        "requests; past it they end with an explicit error")
+    g.add_argument("--max-replicas", type=int, default=16,
+                   help="most workers per role a scale request may ask for (the router and supervisor both hold to it)")
     from pdserve.router_main import add_routing_args
 
     add_routing_args(up.add_argument_group("routing and admission"))
@@ -138,16 +152,47 @@ def cmd_bench(args, parser) -> int:
 
 
 def cmd_up(args, parser) -> int:
-    from pdserve.launcher import run_up
+    from pdserve.launchers.local import run_up
+    from pdserve.specs import RouterSpec, engine_config_from
 
-    if args.config is not None:
-        parser.error("pdserve up takes engine flags directly; --config is for single components")
+    for role in ("prefill", "decode"):
+        if not 0 <= getattr(args, role) <= args.max_replicas:
+            parser.error(f"--{role} must be 0..{args.max_replicas} (--max-replicas); got {getattr(args, role)}")
+    if args.drain_timeout < 0:
+        parser.error(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
+    try:  # every spec `up` will launch, checked before anything starts
+        RouterSpec.from_args(args)
+        engine_config_from(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return run_up(args)
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parser.parse_args, with a --config FILE.yaml expanded into the flags it names, placed
+    before the command line's own flags so that those win. A bad file ends the program with one
+    line naming the path or key (exit 2)."""
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    command = argv.index(args.command)
+    try:
+        file_argv = config_file_argv(_command_parser(parser, args.command), args.config)
+    except ConfigFileError as exc:
+        print(f"pdserve {args.command}: --config {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return parser.parse_args([*argv[:command + 1], *file_argv, *argv[command + 1:]])
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return subparsers.choices[command]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -44,26 +44,102 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run linears on oneDNN-packed weights (faster; last bits differ from F.linear)")
-    g.add_argument("--config", type=Path, default=None, help="YAML file of flag values (flags win)")
+    add_config_arg(g)
+
+
+def add_config_arg(parser) -> None:
+    """--config FILE.yaml: flag values by flag name (pdserve.cli expands it before parsing)."""
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML file of flag values, keys are the flag names (flags given here win)")
 
 
 def engine_config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
-    """Flags given on the command line override the YAML --config file, which overrides defaults."""
-    values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
-    values["weights_cache_dir"] = None
-    if args.config is not None:
-        import yaml
+    """The EngineConfig of the parsed flags (a --config file was already expanded into flags by
+    `parse_command_line`); a bad setting ends the program with the parser's error."""
+    from pdserve.specs import engine_config_from
 
-        loaded = yaml.safe_load(args.config.read_text()) or {}
-        file_values = {str(k).replace("-", "_"): v for k, v in loaded.items()}
-        unknown = sorted(set(file_values) - EngineConfig.field_names())
-        if unknown:
-            parser.error(f"{args.config}: unknown setting(s) {', '.join(unknown)}")
-        for name, value in file_values.items():
-            if values.get(name) == parser.get_default(name):
-                values[name] = value
     try:
-        return EngineConfig(**values)
+        return engine_config_from(args)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+class ConfigFileError(ValueError):
+    """A --config file that cannot be used: the message names the file and the key."""
+
+
+def config_file_argv(parser: argparse.ArgumentParser, path: Path) -> list[str]:
+    """The flags a YAML --config file stands for, each value checked as the flag itself would
+    check it (its type and choices: `kv-cache-memory: 1GiB` is parse_bytes("1GiB")). Keys are
+    the parser's flag names without `--` (`-` or `_` alike). Put before the command line's own
+    flags, so those win. Raises ConfigFileError naming the path or the key."""
+    argv: list[str] = []
+    for key, value in _load_mapping(path).items():
+        name = str(key).replace("_", "-")
+        action = parser._option_string_actions.get("--" + name)  # noqa: SLF001 — argparse's flag table
+        if action is None or name == "config":
+            raise ConfigFileError(f"{path}: unknown key {key!r} (known: {', '.join(_known_keys(parser))})")
+        try:
+            argv += _flag_tokens(action, "--" + name, value)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise ConfigFileError(f"{path}: {key}: {exc}") from None
+    return argv
+
+
+def _known_keys(parser: argparse.ArgumentParser) -> list[str]:
+    """Each settable flag once, by its first long name (not --help, --config, --no-x)."""
+    names = {a.option_strings[0][2:] for a in parser._actions  # noqa: SLF001
+             if a.option_strings and a.option_strings[0].startswith("--") and a.dest not in ("help", "config")}
+    return sorted(names)
+
+
+def _load_mapping(path: Path) -> dict:
+    import yaml
+
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: cannot read it ({exc.strerror})") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigFileError(f"{path}: not valid YAML{line}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigFileError(f"{path}: expected a mapping of flag names to values, got {type(loaded).__name__}")
+    return loaded
+
+
+def _flag_tokens(action: argparse.Action, flag: str, value: object) -> list[str]:
+    """The command-line tokens for one key of a config file, after checking the value."""
+    if action.nargs == 0:  # store_true / store_false / --x --no-x: a YAML boolean
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value == bool(action.const) else []
+    if isinstance(value, (list, dict)) or value is None:
+        raise ValueError(f"expected one value, got {value!r}")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    converted = _convert(action, text)
+    if action.choices is not None and converted not in action.choices:
+        raise ValueError(f"invalid choice {text!r} (choose from {', '.join(map(str, action.choices))})")
+    return [flag, text]
+
+
+def _convert(action: argparse.Action, text: str) -> object:
+    if action.type is None:
+        return text
+    try:
+        return action.type(text)
+    except argparse.ArgumentTypeError:
+        raise
+    except (ValueError, TypeError):
+        name = getattr(action.type, "__name__", repr(action.type))
+        raise ValueError(f"invalid {name} value: {text!r}") from None

@@ -1,9 +1,13 @@
 """Component specs: a router or a worker as a typed, launchable unit.
 
 A spec is frozen and validated at construction. It is built from command-line flags (or a
-YAML --config file of the same flag names) and turned back into a command line in exactly one
-place (`to_argv`), which every launcher and scaler uses: `pdserve up`'s supervisor, the Helm
-chart's rendering, the Ray launcher. None of them rebuilds argv itself.
+YAML --config file of the same flag names, expanded into flags by pdserve.engine_args before
+parsing) and turned back into a command line in exactly one place (`to_argv`), which every
+launcher and scaler uses: `pdserve up`'s supervisor, the Helm chart's rendering, the Ray
+launcher. None of them rebuilds argv itself.
+
+Field names map to flags by one rule: drop a `_s` (seconds) suffix, then `_` -> `-`
+(`drain_timeout_s` <-> `--drain-timeout`). `from_args` and `to_argv` both follow it.
 
 Secrets are never part of a spec: the cluster secret, the Redis password, the API and admin
 keys reach a process through its environment (proto/auth.py, router/redis_settings.py).
@@ -11,8 +15,9 @@ keys reach a process through its environment (proto/auth.py, router/redis_settin
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, fields
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from engine.config import EngineConfig
 
@@ -23,6 +28,16 @@ _ENGINE_NOT_FLAGS = frozenset({"weights_cache_dir"})
 """EngineConfig fields with no command-line flag (set by the process itself)."""
 _ENGINE_BOOL_FLAGS = frozenset({"enable_prefix_caching", "cpu_packed_weights"})
 """BooleanOptionalAction flags: --name / --no-name."""
+
+
+def dest_of(field_name: str) -> str:
+    """The argparse dest of a spec field: `drain_timeout_s` -> `drain_timeout`."""
+    return field_name.removesuffix("_s")
+
+
+def flag_of(field_name: str) -> str:
+    """The flag of a spec field: `drain_timeout_s` -> `--drain-timeout`."""
+    return "--" + dest_of(field_name).replace("_", "-")
 
 
 def _flag(name: str) -> str:
@@ -43,6 +58,31 @@ def engine_argv(engine: EngineConfig) -> list[str]:
         elif value is not None:
             argv += [_flag(f.name), str(value)]
     return argv
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of a parsed command line (its engine flags; others are ignored).
+    Raises ValueError naming the bad setting."""
+    values = {name: getattr(args, name) for name in EngineConfig.field_names()
+              if name not in _ENGINE_NOT_FLAGS and hasattr(args, name)}
+    return EngineConfig(**values)
+
+
+def _values_from(cls: type, args: argparse.Namespace, skip: frozenset[str]) -> dict[str, Any]:
+    """The spec fields a namespace has, by the dest rule; absent ones keep their defaults."""
+    return {f.name: getattr(args, dest_of(f.name)) for f in fields(cls)
+            if f.name not in skip and hasattr(args, dest_of(f.name))}
+
+
+def _check_port(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be 0..65535; got {value!r}")
+
+
+def _check_positive(owner: object, *names: str) -> None:
+    for name in names:
+        if not getattr(owner, name) > 0:
+            raise ValueError(f"{name} must be > 0; got {getattr(owner, name)}")
 
 
 @dataclass(frozen=True)
@@ -79,12 +119,9 @@ class WorkerSpec:
         if self.role not in WORKER_ROLES:
             raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}; got {self.role!r}")
         for name in ("port", "metrics_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be 0..65535; got {getattr(self, name)}")
-        for name in ("transfer_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s",
-                     "kv_snapshot_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+            _check_port(name, getattr(self, name))
+        _check_positive(self, "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s",
+                        "kv_snapshot_interval_s")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
@@ -92,6 +129,13 @@ class WorkerSpec:
                              f"({self.heartbeat_interval_s}), or a live worker's entry expires")
         if not self.cluster:
             raise ValueError("cluster must not be empty")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, role: str | None = None) -> WorkerSpec:
+        """From `pdserve prefill|decode`'s parsed flags (role: args.command unless given).
+        Raises ValueError naming the bad setting."""
+        values = _values_from(cls, args, frozenset({"role", "engine"}))
+        return cls(role=role or args.command, engine=engine_config_from(args), **values)  # type: ignore[arg-type]
 
     def to_argv(self) -> list[str]:
         """`pdserve <role> ...`: the arguments (after the program) that run this spec."""
@@ -107,3 +151,93 @@ class WorkerSpec:
             if value is not None:
                 argv += [flag, value]
         return argv + engine_argv(self.engine)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """One router process (OpenAI HTTP + public gRPC). Defaults equal `pdserve router`'s flag
+    defaults (a unit test holds them together)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind (localhost only by default; the admin routes are open only there)."""
+    port: int = 8000
+    """OpenAI HTTP port (0: any free port)."""
+    grpc_port: int = 50051
+    """Public gRPC port (0: any free port)."""
+    redis_url: str | None = None
+    """Cluster state written by the workers; None: no Redis (static workers only)."""
+    cluster: str = "default"
+    model: str | None = None
+    """Model file or folder whose tokenizer and name the router uses; None: the default model."""
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    ticket_timeout_s: float = 60.0
+    """How long a decode worker's reservation waits for its prefill."""
+    colocated: bool = False
+    """No prefill workers by design: /ready needs only a decode worker."""
+    policy: str = "cache_aware"
+    """A name in router.policy.POLICIES."""
+    prefill_queue_weight: float = 0.5
+    """cache_aware: cost of one queued prefill token relative to one uncached prompt token."""
+    local_prefill_max_tokens: int = 0
+    """Prefill prompts of at most this many uncached tokens on the decode worker when the
+    prefill worker is backed up (0: never)."""
+    local_prefill_min_queue: int = 1024
+    max_queued_requests: int = 256
+    """Requests that may wait for decode room at once; more get 503 + Retry-After."""
+    max_queue_wait_s: float = 30.0
+    max_request_bytes: int = 2 * 1024 * 1024
+    """Largest HTTP body / gRPC message accepted (router.validation.DEFAULT_MAX_REQUEST_BYTES)."""
+    max_n: int = 128
+    """Most completions per prompt (router.validation.RequestLimits.max_n)."""
+    prefill_timeout_s: float = 60.0
+    """One prefill worker's deadline for a request (router.worker_calls.WorkerTimeouts)."""
+    stream_idle_timeout_s: float = 30.0
+    """Longest a decode stream may send nothing before the request ends with an error."""
+    scaler: str = "none"
+    """"none" or a name in pdserve.scalers.SCALERS: what answers PUT /v1/roles/{role}."""
+    max_replicas: int = 16
+    """Most replicas PUT /v1/roles/{role} accepts per role."""
+    ready_file: str | None = None
+    """Written with 'http_port grpc_port' once serving."""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            _check_port(name, getattr(self, name))
+        if not self.cluster:
+            raise ValueError("cluster must not be empty")
+        from router.policy import POLICIES  # pure: no I/O
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES.names())}; got {self.policy!r}")
+        _check_positive(self, "ticket_timeout_s", "max_queue_wait_s", "prefill_timeout_s",
+                        "stream_idle_timeout_s", "max_request_bytes", "max_n", "max_queued_requests")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0; got {self.max_model_len}")
+        for name in ("local_prefill_max_tokens", "local_prefill_min_queue", "prefill_queue_weight",
+                     "max_replicas"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if not self.scaler:
+            raise ValueError('scaler must be "none" or a scaler name; got ""')
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterSpec:
+        """From `pdserve router`'s (or `pdserve up`'s) parsed flags; fields the namespace
+        lacks keep their defaults. Raises ValueError naming the bad setting."""
+        return cls(**_values_from(cls, args, frozenset()))
+
+    def to_argv(self) -> list[str]:
+        """`pdserve router ...`: the arguments (after the program) that run this spec. Optional
+        settings left at None are left out; `scaler` and `max_replicas` only when not their
+        defaults, so a router of an older release still takes a default spec's argv."""
+        defaults = RouterSpec()
+        argv = ["router"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or (f.name in ("scaler", "max_replicas") and value == getattr(defaults, f.name)):
+                continue
+            argv += [flag_of(f.name), str(value).lower() if isinstance(value, bool) else str(value)]
+        return argv

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV
-from pdserve.launcher import secrets_env
+from pdserve.launchers.secrets import secrets_env
 from router.redis_settings import PASSWORD_ENV, USERNAME_ENV, RedisAuth
 
 
@@ -26,22 +29,41 @@ def test_redis_credentials_and_the_api_key_go_to_the_environment():
 
 
 class FakePopen:
-    """Records what `pdserve up` would start, starts nothing."""
+    """Records what `pdserve up` would start, starts nothing; "ready" at once (writes the
+    ready file the real child would)."""
 
     started: list[tuple[list[str], dict[str, str]]] = []
 
     def __init__(self, cmd, env=None, **kwargs) -> None:
         FakePopen.started.append((list(cmd), dict(env or {})))
+        self.pid = 4242
+        Path(cmd[cmd.index("--ready-file") + 1]).write_text("1 2\n")
 
     def poll(self):
         return None
 
 
+class FakeStore:
+    """The Redis side of the scaler (not under test here): desired counts as set."""
+
+    def __init__(self, redis_url, cluster, secret, max_replicas, auth=None) -> None:
+        self.desired: dict[str, int] = {}
+
+    def set_initial(self, counts):
+        self.desired = dict(counts)
+
+    def read(self):
+        return self.desired
+
+    def publish_status(self, fields):
+        pass
+
+
 def launched_with(monkeypatch, argv: list[str], environ: dict[str, str]):
     import subprocess
 
-    from pdserve import launcher
     from pdserve.cli import build_parser
+    from pdserve.launchers import local
 
     for name in ("PDSERVE_API_KEY", "PDSERVE_API_KEY_FILE", CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV,
                  PASSWORD_ENV, USERNAME_ENV):
@@ -50,9 +72,12 @@ def launched_with(monkeypatch, argv: list[str], environ: dict[str, str]):
         monkeypatch.setenv(name, value)
     FakePopen.started = []
     monkeypatch.setattr(subprocess, "Popen", FakePopen)
-    monkeypatch.setattr(launcher.LocalCluster, "_wait_ready", lambda self, child, timeout_s=0: None)
-    cluster = launcher.LocalCluster(build_parser().parse_args(["up", *argv]))
-    cluster.start()
+    monkeypatch.setattr(local, "ScaleStore", FakeStore)
+    cluster = local.LocalCluster(build_parser().parse_args(["up", *argv]))
+    try:
+        cluster.start()
+    finally:
+        shutil.rmtree(cluster.workdir, ignore_errors=True)
     return cluster, FakePopen.started
 
 

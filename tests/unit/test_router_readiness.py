@@ -67,10 +67,10 @@ def test_ready_is_200_with_worker_counts_when_ready_and_health_stays_200_either_
 
 def test_pdserve_up_tells_its_router_whether_the_cluster_is_colocated():
     from pdserve.cli import build_parser
-    from pdserve.launcher import routing_flags
+    from pdserve.specs import RouterSpec
 
     parser = build_parser()
     for up_flags, colocated in ((["--colocated"], True), ([], False)):
         up = parser.parse_args(["up", *up_flags])
-        router = parser.parse_args(["router", *routing_flags(up)])
+        router = parser.parse_args(RouterSpec.from_args(up).to_argv())
         assert router.colocated is colocated
