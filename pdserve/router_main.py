@@ -245,7 +245,10 @@ def make_scaler(name: str, redis_url: str | None, cluster: str, secret: bytes | 
         factory = SCALERS.get(name)
     except KeyError as exc:
         raise SystemExit(f"--scaler: {exc.args[0]}; or none") from None
-    return factory(redis_url, cluster, secret)
+    try:
+        return factory(redis_url, cluster, secret)
+    except ValueError as exc:  # e.g. the local scaler without --redis-url
+        raise SystemExit(f"--scaler {name}: {exc}") from None
 
 
 def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
