@@ -30,6 +30,8 @@ import time
 import weakref
 from pathlib import Path
 
+from pdserve.launchers.child import die_with_parent
+
 __all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server", "share_cluster_secrets"]
 
 logger = logging.getLogger(__name__)
@@ -264,6 +266,7 @@ class EmbeddedRedis:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=tmp_dir,
+                    preexec_fn=die_with_parent,  # no orphan Redis if `pdserve up` is SIGKILLed
                 )
         except OSError as exc:
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -24,7 +24,7 @@ except OSError:  # not glibc: no parent-death signal
     _LIBC = None
 
 
-def _in_child() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGTERM when the supervisor dies."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -48,7 +48,7 @@ class ChildProcess:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)  # a previous incarnation's ports are not ours
         self.process = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], env=env,
-                                        process_group=0, preexec_fn=_in_child)
+                                        process_group=0, preexec_fn=die_with_parent)
 
     @property
     def pid(self) -> int:
