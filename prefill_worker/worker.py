@@ -243,9 +243,11 @@ class PrefillWorker:
         finally:
             if not opening.done():
                 opening.cancel()  # only this request's wait: the shared opening is shielded
-        error = None if opening.cancelled() else opening.exception()
-        if answer.done():
+        if answer.done():  # ended meanwhile; a finished opening's error is read, not leaked
+            if opening.done() and not opening.cancelled():
+                opening.exception()
             return None
+        error = opening.exception()  # done: the wait returned and `answer` is not
         if error is not None:
             self._end(record, PrefillState.FAILED, TransferFailed(
                 f"could not open a data channel to {target.decode_address}: {error}"))
