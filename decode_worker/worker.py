@@ -211,12 +211,13 @@ class DecodeWorker:
         self.loop.attach(record.request_id, lambda output: self._on_output(record, output))
 
     def _on_output(self, record: DecodeRecord, output: EngineCoreOutput) -> None:
-        record.emit(output)
+        """Moves first, then emits: whoever reads the last output sees the record ended."""
         if output.finish_reason is not None and not record.ended:
             if output.finish_reason == "abort":  # the engine dropped it (a failed step)
                 self._move(record, DecodeState.FAILED, "the engine aborted it")
             else:
                 self._move(record, DecodeState.FINISHED)
+        record.emit(output)
 
     def _move(self, record: DecodeRecord, new: DecodeState, reason: str = "") -> None:
         """Every state change goes through here: checks the table, keeps the indexes."""
