@@ -92,7 +92,10 @@ class DecodeWorker:
             self._state = WorkerState.STOPPED
         for record in self.records():
             self._move(record, DecodeState.FAILED, "worker stopped")
-            record.emit(StreamFailed(f"decode worker {self.worker_id} stopped"))
+            try:
+                record.emit(StreamFailed(f"decode worker {self.worker_id} stopped"))
+            except RuntimeError:  # its asyncio loop is already closed: nobody reads it
+                pass
 
     # ------------------------------------------------------------- reading
     @property

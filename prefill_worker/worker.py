@@ -137,7 +137,7 @@ class PrefillWorker:
         answer = asyncio.wrap_future(record.future)
         try:
             address = await self._connect(record, target, answer)
-            if address is not None:
+            if address is not None and not record.ended:  # ended: stop() raced the opening
                 self._move(record, PrefillState.QUEUED)
                 await asyncio.wrap_future(self.loop.submit(
                     lambda: self._queue(record, prompt, params, address, target)))

@@ -17,6 +17,7 @@ from kv_transfer.base import ReceivedKV, TransferResult, TransferState
 from kv_transfer.packing import make_header, pack_blocks
 from tests.lifecycle.pd_pair import assert_idle, loop_held_when, make_pair, prompt, record_of
 from tests.tiny_model import tiny_llm
+from worker_runtime.status import Worker
 
 S = DecodeState
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -62,14 +63,17 @@ def test_a_ticket_filled_by_a_prefill_decodes_to_finished_with_offline_tokens(pa
     assert record.history == [S.TICKETED, S.DECODING, S.FINISHED]
     assert tokens == offline
     status = pair.decode.status()
-    assert (status.role, status.in_flight, status.transfers.count) == ("decode", 0, 1)
+    assert isinstance(pair.decode, Worker)
+    assert (status.role, status.state.value, status.in_flight, status.transfers.count) == ("decode", "serving", 0, 1)
+    assert status.transfers.nbytes == 3 * pair.decode.core.capacity.bytes_per_block
     _idle(pair)
 
 
 def test_a_local_prefill_starts_decoding_and_finishes_with_offline_tokens(pair, offline):
     async def run():
-        ticket, outputs = await pair.decode.admit("r", P, PARAMS, 60.0, local_prefill=True)
-        record = record_of(pair.decode, "r")
+        with loop_held_when(pair.decode, lambda: pair.decode.in_flight == 1):  # to catch the record
+            ticket, outputs = await pair.decode.admit("r", P, PARAMS, 60.0, local_prefill=True)
+            record = await asyncio.to_thread(record_of, pair.decode, "r")
         return ticket, record, await _stream(outputs)
 
     ticket, record, (tokens, reason) = asyncio.run(run())
@@ -139,8 +143,9 @@ def test_a_failed_engine_step_fails_a_decoding_request(pair):
     pair.decode.core.runner.execute = fail_once
 
     async def run():
-        _, outputs = await pair.decode.admit("r", P, PARAMS, 60.0, local_prefill=True)
-        record = record_of(pair.decode, "r")
+        with loop_held_when(pair.decode, lambda: pair.decode.in_flight == 1):  # to catch the record
+            _, outputs = await pair.decode.admit("r", P, PARAMS, 60.0, local_prefill=True)
+            record = await asyncio.to_thread(record_of, pair.decode, "r")
         return record, await _stream(outputs)
 
     record, stream = asyncio.run(run())

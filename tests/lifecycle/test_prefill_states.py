@@ -19,6 +19,7 @@ from tests.lifecycle.pd_pair import (
     assert_idle, loop_held, loop_held_when, make_pair, prompt, record_of,
 )
 from tests.tiny_model import tiny_llm
+from worker_runtime.status import Worker
 
 S = PrefillState
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -80,6 +81,7 @@ def test_a_prefill_walks_its_states_to_sent_and_the_tokens_match_offline(pair, o
     assert [result.first_token_id] + rest == offline[p]
     assert result.num_blocks == -(-len(p) // 16)
     status = pair.prefill.status()
+    assert isinstance(pair.prefill, Worker)
     assert (status.role, status.state.value, status.in_flight) == ("prefill", "serving", 0)
     assert (status.transfers.count, status.transfers.nbytes, status.transfers.failures) == (1, result.nbytes, 0)
     _idle(pair)
