@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
-from decode_worker.worker import DecodeWorker
+from decode_worker.worker import DecodeDraining, DecodeWorker, StreamFailed
 from proto.convert import logprobs_to_proto, params_from_proto
 from proto.limits import NO_ROOM_METADATA_KEY
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_runtime.status import WorkerStatus
 
 DEFAULT_TICKET_TIMEOUT_S = 60.0
 """A ticket's lifetime when the caller asks for none (ticket_timeout_ms 0 or absent)."""
@@ -23,10 +26,16 @@ def ticket_timeout_s(requested_ms: int) -> float:
     return min(requested_ms / 1000, MAX_TICKET_TIMEOUT_S)
 
 
+DrainHook = Callable[[float | None], tuple[bool, int]]
+"""Starts the process-level drain (timeout in s; None: the worker's --drain-timeout) and
+returns at once with (started: False when already draining, requests in flight)."""
+
+
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, address: str) -> None:
+    def __init__(self, worker: DecodeWorker, address: str, request_drain: DrainHook | None = None) -> None:
         self.worker = worker
         self.address = address
+        self.request_drain = request_drain
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
@@ -37,14 +46,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ticket, outputs = await self.worker.admit(
                 request.request_id, tuple(request.prompt_token_ids), params,
                 ticket_timeout_s(request.ticket_timeout_ms), local_prefill=request.local_prefill)
+        except DecodeDraining as exc:  # the router tries the next decode worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:  # too long, duplicate id
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ticket is None:
-            stats = self.worker.loop.stats
+            core = self.worker.status().core
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker {self.worker.worker_id} has no room now: {stats.free_blocks} of "
-                f"{stats.total_blocks} blocks free, {stats.num_running} running",
+                f"decode worker {self.worker.worker_id} has no room now: {core.free_blocks} of "
+                f"{core.total_blocks} blocks free, {core.num_running} running",
                 trailing_metadata=((NO_ROOM_METADATA_KEY, "1"),),
             )
         finished = False
@@ -55,6 +66,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 num_blocks=ticket.num_blocks, incarnation=self.worker.incarnation))
             while not finished:
                 output = await outputs.get()
+                if isinstance(output, StreamFailed):  # the worker already ended it and freed it
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(output))
                 finished = output.finish_reason is not None
                 chunk = worker_pb2.TokenChunk(
                     token_ids=list(output.new_token_ids),
@@ -76,15 +90,30 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        return load_report(self.worker, "decode")
+        return load_report(self.worker.status())
+
+    async def Drain(self, request, context):
+        return await answer_drain(self.request_drain, request, context)
 
 
-def load_report(worker, role: str) -> worker_pb2.LoadReport:
-    s = worker.loop.stats
+def load_report(status: WorkerStatus) -> worker_pb2.LoadReport:
+    s = status.core
     return worker_pb2.LoadReport(
-        worker_id=worker.worker_id, incarnation=worker.incarnation, role=role,
-        block_size=worker.core.config.block_size, total_blocks=s.total_blocks,
+        worker_id=status.worker_id, incarnation=status.incarnation, role=status.role,
+        block_size=status.block_size, total_blocks=s.total_blocks,
         free_blocks=s.free_blocks, reserved_blocks=s.reserved_blocks, cached_blocks=s.cached_blocks,
         num_running=s.num_running, num_waiting=s.num_waiting,
-        queued_prefill_tokens=s.queued_prefill_tokens,
+        queued_prefill_tokens=s.queued_prefill_tokens, state=status.state.value,
+        in_flight=status.in_flight,
     )
+
+
+async def answer_drain(request_drain: DrainHook | None, request: worker_pb2.DrainRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:
+    """The Drain RPC of either role: start the process's drain through its hook, answer at once."""
+    if request_drain is None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "this worker was started without a drain hook (it is not a worker process)")
+    timeout_s = request.timeout_ms / 1000 if request.HasField("timeout_ms") else None
+    started, in_flight = request_drain(timeout_s)
+    return worker_pb2.DrainResponse(started=started, in_flight=in_flight)

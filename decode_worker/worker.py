@@ -1,19 +1,27 @@
-"""Decode worker: reservation, KV arrival, decoding — one request's lifecycle.
+"""Decode worker: reservation, KV arrival, decoding — one request's lifecycle
+(decode_worker.states.DecodeState).
 
     Decode RPC arrives
+         draining                          -> refused UNAVAILABLE at once (router tries the next)
       -> reserve blocks for the prompt (less this worker's own prefix-cache hit)
          refused (no blocks / batch full)  -> RESOURCE_EXHAUSTED at once, marked no-room
-                                              (proto.limits), nothing held
+                                              (proto.limits), nothing held, no record
       -> TICKETED: ticket sent to the router, which asks a prefill worker to fill it
-         KV arrives on the data channel    -> blocks imported, first token appended
-         ticket deadline passes            -> ABORTED, blocks freed, stream ends "abort"
+         KV arrives on the data channel    -> blocks imported, first token appended: DECODING
+         ticket deadline passes            -> EXPIRED, blocks freed, stream ends "abort"
+         payload does not fit / import fails -> FAILED, blocks freed, stream ends "abort"
          transfer fails                    -> stays TICKETED (the router retries the prefill)
-      -> DECODING: tokens stream back until stop/length
+      -> DECODING (a local prefill starts here): tokens stream back
+         stop / length                     -> FINISHED
+         engine step fails                 -> FAILED, stream ends "abort"
+    from TICKETED or DECODING:
          client gone / Abort RPC           -> ABORTED, blocks freed
-      -> FINISHED (terminal: finished, aborted)
+         drain timeout passes              -> FAILED, blocks freed, the stream ends with an
+                                              UNAVAILABLE error naming the drain
+    (terminal: FINISHED, ABORTED, EXPIRED, FAILED; a record is dropped when it ends)
 
-All engine state is touched only on the ServingLoop thread; RPC handlers submit
-commands and read an asyncio queue per request.
+All engine state, and every record, is touched only on the ServingLoop thread; RPC handlers
+submit commands and read an asyncio queue per request. status() reads counters any thread.
 """
 
 from __future__ import annotations
@@ -21,17 +29,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import ClassVar
 
+from decode_worker.states import (  # noqa: F401 - the types callers need are re-exported here
+    TERMINAL, DecodeDraining, DecodeRecord, DecodeState, StreamFailed, StreamItem, move,
+)
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
-from engine.serving_loop import ServingLoop
+from engine.serving_loop import ServingLoop, wait_until_async
 from kv_transfer.base import ChannelAddress, KVReceiver, ReceivedKV
 from kv_transfer.packing import unpack_blocks
+from worker_runtime.status import DrainResult, TransferTotals, WorkerState, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -43,70 +57,90 @@ class TicketInfo:
     num_blocks: int
 
 
-@dataclass
-class _Pending:
-    request_id: str
-    block_ids: tuple[int, ...]
-    deadline: float
-
-
 class DecodeWorker:
+    role: ClassVar[str] = "decode"
+
     def __init__(self, core: EngineCore, receiver: KVReceiver, worker_id: str | None = None) -> None:
         self.core = core
         self.receiver = receiver
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)
-        self._pending: dict[int, _Pending] = {}
-        self.transfers = 0
-        """Received transfers, counted on the loop thread (with their bytes and seconds)."""
-        self.transfer_bytes = 0
-        self.transfer_seconds = 0.0
-        self.transfer_failures = 0
+        self._lock = threading.Lock()
+        """Guards the worker state and `_live` for readers on other threads."""
+        self._state = WorkerState.STARTING
+        self._live: dict[str, DecodeRecord] = {}
+        """Every non-terminal record, by request id: what a drain waits for."""
+        self._tickets: dict[int, DecodeRecord] = {}
+        """TICKETED records by ticket id (loop thread only)."""
+        self._totals = TransferTotals()
+        """Received transfers, counted on the loop thread; replaced whole, read anywhere."""
 
     def start(self) -> None:
         self.loop.start()
         self.loop.add_poll_hook(self._poll_transfers)
+        with self._lock:
+            if self._state is WorkerState.STARTING:
+                self._state = WorkerState.SERVING
 
     def stop(self) -> None:
+        """Stop at once: the loop, the receiver; streams still open end with an error (a drain
+        first ends them gracefully)."""
         self.loop.stop()
         self.receiver.close()
+        with self._lock:
+            self._state = WorkerState.STOPPED
+        for record in self.records():
+            self._move(record, DecodeState.FAILED, "worker stopped")
+            try:
+                record.emit(StreamFailed(f"decode worker {self.worker_id} stopped"))
+            except RuntimeError:  # its asyncio loop is already closed: nobody reads it
+                pass
+
+    # ------------------------------------------------------------- reading
+    @property
+    def in_flight(self) -> int:
+        """Requests this worker owes an answer (TICKETED and DECODING); a drain ends at 0."""
+        return len(self._live)
+
+    def records(self) -> tuple[DecodeRecord, ...]:
+        """The live records now (diagnostics and tests: read them, never write)."""
+        with self._lock:
+            return tuple(self._live.values())
+
+    def status(self) -> WorkerStatus:
+        """A frozen snapshot; any thread; never waits for the engine loop."""
+        return WorkerStatus(
+            worker_id=self.worker_id, incarnation=self.incarnation, role=self.role, state=self._state,
+            block_size=self.core.config.block_size, max_model_len=self.core.max_model_len,
+            core=self.loop.stats, in_flight=len(self._live), transfers=self._totals)
+
+    # Until every reader uses status().transfers (pdserve/worker_metrics.py reads these).
+    transfers = property(lambda self: self._totals.count)
+    transfer_bytes = property(lambda self: self._totals.nbytes)
+    transfer_seconds = property(lambda self: self._totals.seconds)
+    transfer_failures = property(lambda self: self._totals.failures)
 
     # ------------------------------------------------------------ admission
     async def admit(
         self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, ticket_timeout_s: float,
         local_prefill: bool = False,
-    ) -> tuple[TicketInfo | None, asyncio.Queue[EngineCoreOutput]]:
-        """Reserve blocks; on success outputs of the request go to the returned queue.
-        local_prefill: queue the whole request here instead (ticket 0, nothing reserved)."""
+    ) -> tuple[TicketInfo | None, asyncio.Queue[StreamItem]]:
+        """Reserve blocks; on success the request's outputs (or a final StreamFailed) go to the
+        returned queue. local_prefill: queue the whole request here instead (ticket 0, nothing
+        reserved). Raises DecodeDraining when draining, ValueError for a prompt the engine
+        refuses or an id in use; None ticket: no room now (nothing held)."""
+        self._refuse_if_draining()
         aio_loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
 
-        def sink(output: EngineCoreOutput) -> None:
-            aio_loop.call_soon_threadsafe(outputs.put_nowait, output)
-
-        def reserve() -> TicketInfo | None:
-            request = Request(request_id, prompt, params, self.core.eos_token_ids)
-            if local_prefill:
-                self.core.add_request(request)
-                self.loop.attach(request_id, sink)
-                return TicketInfo(0, 0, 0)
-            reservation = self.core.reserve_remote(request)
-            if reservation is None:
-                return None
-            # Random 62-bit ids: a prefill worker serves many decode workers, so ids must be
-            # unique across them without coordination (a counter per worker would collide).
-            ticket_id = secrets.randbits(62) or 1
-            while ticket_id in self._pending:
-                ticket_id = secrets.randbits(62) or 1
-            self._pending[ticket_id] = _Pending(
-                request_id, reservation.block_ids, time.monotonic() + ticket_timeout_s
-            )
-            self.loop.attach(request_id, sink)
-            return TicketInfo(ticket_id, reservation.num_cached_tokens, len(reservation.block_ids))
+        def emit(item: StreamItem) -> None:
+            aio_loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         try:
-            ticket = await asyncio.wrap_future(self.loop.submit(reserve))
+            ticket = await asyncio.wrap_future(self.loop.submit(
+                lambda: self._reserve(Request(request_id, prompt, params, self.core.eos_token_ids),
+                                      emit, ticket_timeout_s, local_prefill)))
         except asyncio.CancelledError:
             # The caller left while the reservation ran: nobody will read the ticket, so free
             # now rather than at the ticket's deadline. Shielded: this task is being cancelled.
@@ -115,22 +149,117 @@ class DecodeWorker:
         return ticket, outputs
 
     async def abort(self, request_id: str) -> bool:
-        def run() -> bool:
-            for ticket_id, pending in list(self._pending.items()):
-                if pending.request_id == request_id:
-                    del self._pending[ticket_id]
-            aborted = self.core.abort([request_id])
-            for request in aborted:
-                self.loop.deliver(EngineCoreOutput(request.request_id, (), None, "abort", None))
-            self.loop.detach(request_id)
-            return bool(aborted)
-
-        return await asyncio.wrap_future(self.loop.submit(run))
+        """End the request wherever it is (blocks freed; its stream ends "abort"). False when
+        unknown or already ended."""
+        return await asyncio.wrap_future(self.loop.submit(lambda: self._abort(request_id)))
 
     def open_channel(self) -> ChannelAddress:
         return self.receiver.open_channel()
 
-    # ------------------------------------------------------- loop thread only
+    # --------------------------------------------------------------- drain
+    def begin_drain(self) -> bool:
+        """Refuse new Decode calls from now on (DecodeDraining). Idempotent; True the first
+        time. Any thread."""
+        with self._lock:
+            if self._state in (WorkerState.DRAINING, WorkerState.STOPPED):
+                return False
+            self._state = WorkerState.DRAINING
+        logger.info("decode worker %s draining, %d in flight", self.worker_id, self.in_flight)
+        return True
+
+    async def drain(self, timeout_s: float) -> DrainResult:
+        """begin_drain(), wait (at most timeout_s) for TICKETED requests to get their KV and
+        every request to finish; then end the rest: blocks freed, each stream ends with an
+        UNAVAILABLE error naming the drain. Call on the asyncio loop that serves the worker."""
+        started = time.monotonic()
+        self.begin_drain()
+        before = self.in_flight
+        cut = 0
+        if not await wait_until_async(lambda: self.in_flight == 0, timeout_s):
+            cut = await asyncio.wrap_future(self.loop.submit(lambda: self._cut(timeout_s)))
+        result = DrainResult(finished=max(before - cut, 0), aborted=cut, seconds=time.monotonic() - started)
+        logger.info("decode worker %s drained: %d finished, %d ended by the %g s timeout, %.2f s",
+                    self.worker_id, result.finished, result.aborted, timeout_s, result.seconds)
+        return result
+
+    def _refuse_if_draining(self) -> None:
+        state = self._state
+        if state in (WorkerState.DRAINING, WorkerState.STOPPED):
+            raise DecodeDraining(f"decode worker {self.worker_id} is {state.value}: it takes no new requests")
+
+    # -------------------------------------------------------- loop thread only
+    def _reserve(self, request: Request, emit, ticket_timeout_s: float, local_prefill: bool) -> TicketInfo | None:
+        self._refuse_if_draining()  # again here: ordered with the drain's own commands
+        if local_prefill:
+            self.core.add_request(request)
+            self._adopt(DecodeRecord(request.request_id, DecodeState.DECODING, emit))
+            return TicketInfo(0, 0, 0)
+        reservation = self.core.reserve_remote(request)
+        if reservation is None:
+            return None
+        # Random 62-bit ids: a prefill worker serves many decode workers, so ids must be
+        # unique across them without coordination (a counter per worker would collide).
+        ticket_id = secrets.randbits(62) or 1
+        while ticket_id in self._tickets:
+            ticket_id = secrets.randbits(62) or 1
+        record = DecodeRecord(request.request_id, DecodeState.TICKETED, emit, ticket_id,
+                              reservation.block_ids, time.monotonic() + ticket_timeout_s)
+        self._tickets[ticket_id] = record
+        self._adopt(record)
+        return TicketInfo(ticket_id, reservation.num_cached_tokens, len(reservation.block_ids))
+
+    def _adopt(self, record: DecodeRecord) -> None:
+        with self._lock:
+            self._live[record.request_id] = record
+        self.loop.attach(record.request_id, lambda output: self._on_output(record, output))
+
+    def _on_output(self, record: DecodeRecord, output: EngineCoreOutput) -> None:
+        """Moves first, then emits: whoever reads the last output sees the record ended."""
+        if output.finish_reason is not None and not record.ended:
+            if output.finish_reason == "abort":  # the engine dropped it (a failed step)
+                self._move(record, DecodeState.FAILED, "the engine aborted it")
+            else:
+                self._move(record, DecodeState.FINISHED)
+        record.emit(output)
+
+    def _move(self, record: DecodeRecord, new: DecodeState, reason: str = "") -> None:
+        """Every state change goes through here: checks the table, keeps the indexes."""
+        move(record, new, reason)
+        if new is not DecodeState.TICKETED and record.ticket_id is not None:
+            if self._tickets.get(record.ticket_id) is record:
+                del self._tickets[record.ticket_id]
+        if new in TERMINAL:
+            with self._lock:
+                if self._live.get(record.request_id) is record:
+                    del self._live[record.request_id]
+        logger.debug("decode %s -> %s %s", record.request_id, new.name, reason)
+
+    def _end(self, record: DecodeRecord, state: DecodeState, reason: str) -> None:
+        """End a live record in the engine: blocks freed, its stream ends "abort"."""
+        self._move(record, state, reason)
+        for request in self.core.abort([record.request_id]):
+            self.loop.deliver(EngineCoreOutput(request.request_id, (), None, "abort", None))
+        self.loop.detach(record.request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        record = self._live.get(request_id)
+        if record is None:
+            return False
+        self._end(record, DecodeState.ABORTED, "aborted")
+        return True
+
+    def _cut(self, timeout_s: float) -> int:
+        """End every request a drain timed out on, each stream with an explicit error."""
+        records = self.records()
+        for record in records:
+            why = (f"decode worker {self.worker_id} drained: request {record.request_id} "
+                   f"({record.state.name}) ended after the {timeout_s:g} s drain timeout")
+            self._move(record, DecodeState.FAILED, why)
+            self.loop.detach(record.request_id)  # no "abort" output: the error below ends it
+            self.core.abort([record.request_id])
+            record.emit(StreamFailed(why))
+        return len(records)
+
     def _poll_transfers(self) -> None:
         """Import every arrived transfer, each on its own: one that fails (a bad payload, an
         aborted request) fails only its own request and never hides the others in the batch."""
@@ -139,18 +268,19 @@ class DecodeWorker:
                 self._on_received(received)
             except Exception:
                 logger.exception("importing the KV of ticket %d failed", received.header.ticket_id)
-                if received.header.ticket_id in self._pending:
-                    self._fail(received.header.ticket_id, "importing its KV failed")
+                record = self._tickets.get(received.header.ticket_id)
+                if record is not None and not record.ended:
+                    self._end(record, DecodeState.FAILED, "importing its KV failed")
         now = time.monotonic()
-        for ticket_id, pending in list(self._pending.items()):
-            if pending.deadline < now:
-                logger.warning("ticket %d (%s) expired before its KV arrived", ticket_id, pending.request_id)
-                self._fail(ticket_id, "ticket expired")
+        for ticket_id, record in list(self._tickets.items()):
+            if record.deadline < now:
+                logger.warning("ticket %d (%s) expired before its KV arrived", ticket_id, record.request_id)
+                self._end(record, DecodeState.EXPIRED, "ticket expired")
 
     def _on_received(self, received: ReceivedKV) -> None:
         ticket_id = received.header.ticket_id
-        pending = self._pending.get(ticket_id)
-        if pending is None:
+        record = self._tickets.get(ticket_id)
+        if record is None:
             logger.warning("KV for unknown or expired ticket %d dropped", ticket_id)
             if received.payload is not None:
                 self.receiver.recycle(received.payload)
@@ -158,25 +288,21 @@ class DecodeWorker:
         if received.payload is None:
             # Keep the reservation: the router retries the prefill elsewhere with the same
             # ticket; if nobody fills it, the deadline frees it.
-            self.transfer_failures += 1
+            self._totals = TransferTotals(self._totals.count, self._totals.nbytes, self._totals.seconds,
+                                          self._totals.failures + 1)
             logger.warning("KV transfer for ticket %d failed: %s", ticket_id, received.result.error)
             return
-        if received.header.num_blocks != len(pending.block_ids):
+        if received.header.num_blocks != len(record.block_ids):
             self.receiver.recycle(received.payload)
-            self._fail(ticket_id, f"got {received.header.num_blocks} blocks, reserved {len(pending.block_ids)}")
+            self._end(record, DecodeState.FAILED,
+                      f"got {received.header.num_blocks} blocks, reserved {len(record.block_ids)}")
             return
-        del self._pending[ticket_id]
-        unpack_blocks(received.payload, self.core.kv_caches, pending.block_ids)
+        unpack_blocks(received.payload, self.core.kv_caches, record.block_ids)
         self.receiver.recycle(received.payload)  # copied into blocks: D may receive into it again
-        self.transfers += 1
-        self.transfer_bytes += received.result.nbytes
-        self.transfer_seconds += received.result.seconds
-        output = self.core.commit_remote(pending.request_id, received.header.first_token_id)
+        t = self._totals
+        self._totals = TransferTotals(t.count + 1, t.nbytes + received.result.nbytes,
+                                      t.seconds + received.result.seconds, t.failures)
+        self._move(record, DecodeState.DECODING)
+        output = self.core.commit_remote(record.request_id, received.header.first_token_id)
         if output is not None:
             self.loop.deliver(output)
-
-    def _fail(self, ticket_id: int, reason: str) -> None:
-        pending = self._pending.pop(ticket_id)
-        logger.warning("request %s aborted: %s", pending.request_id, reason)
-        for request in self.core.abort([pending.request_id]):
-            self.loop.deliver(EngineCoreOutput(request.request_id, (), None, "abort", None))

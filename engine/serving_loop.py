@@ -7,6 +7,7 @@ The thread sleeps on its command queue when there is nothing to step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -141,3 +142,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return predicate()
+
+
+async def wait_until_async(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """`wait_until` for the asyncio loop: polls without blocking it; True when `predicate`
+    held within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
+    return True

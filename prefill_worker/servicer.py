@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import grpc
 
-from decode_worker.servicer import load_report
-from prefill_worker.worker import DecodeTarget, PrefillWorker, TransferFailed
+from decode_worker.servicer import DrainHook, answer_drain, load_report
+from prefill_worker.worker import (
+    DecodeTarget, PrefillDrained, PrefillDraining, PrefillWorker, TransferFailed,
+)
 from proto.convert import logprobs_to_proto, params_from_proto
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, request_drain: DrainHook | None = None) -> None:
         self.worker = worker
+        self.request_drain = request_drain
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         try:
@@ -23,7 +26,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         target = DecodeTarget(t.decode_address, t.incarnation, t.ticket_id, t.num_cached_tokens, t.num_blocks)
         try:
             result = await self.worker.prefill(request.request_id, tuple(request.prompt_token_ids), params, target)
-        except TransferFailed as exc:
+        except (PrefillDraining, PrefillDrained) as exc:  # the router tries the next prefill worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except TransferFailed as exc:  # not delivered (or drained): the router tries another
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -42,4 +47,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        return load_report(self.worker, "prefill")
+        return load_report(self.worker.status())
+
+    async def Drain(self, request, context):
+        return await answer_drain(self.request_drain, request, context)

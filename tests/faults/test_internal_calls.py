@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from decode_worker.servicer import MAX_TICKET_TIMEOUT_S, DecodeWorkerServicer, ticket_timeout_s
+from engine.core import CoreStats
 from engine.sampling_params import SamplingParams
 from proto.limits import NO_ROOM_METADATA_KEY
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -23,6 +24,7 @@ from router.cluster_keys import ClusterSnapshot, WorkerInfo
 from router.errors import InvalidRequest, WorkerFailure
 from router.policy import RouteDecision
 from router.worker_calls import WorkerSilent, WorkerTimeouts
+from worker_runtime.status import TransferTotals, WorkerState, WorkerStatus
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 TOKENS = (7, 8, 9)
@@ -186,9 +188,11 @@ class _NoRoomWorker:
     worker_id = "d1"
     incarnation = "i1"
 
-    class loop:  # noqa: N801 - the servicer reads worker.loop.stats
-        class stats:  # noqa: N801
-            free_blocks, total_blocks, num_running = 0, 10, 3
+    def status(self) -> WorkerStatus:  # the servicer reads the numbers from here
+        core = CoreStats(total_blocks=10, free_blocks=0, reserved_blocks=10, cached_blocks=0, num_running=3,
+                         num_waiting=0, num_reserved=2, queued_prefill_tokens=0, num_preemptions=0,
+                         prefix_cache_queries=0, prefix_cache_hits=0)
+        return WorkerStatus("d1", "i1", "decode", WorkerState.SERVING, 16, 512, core, 5, TransferTotals())
 
     async def admit(self, *args, **kwargs):
         return None, asyncio.Queue()

@@ -50,7 +50,7 @@ def test_a_reservation_whose_caller_left_during_it_is_freed_at_once(worker):
             await task
 
     asyncio.run(leave_mid_reservation())
-    assert wait_until(lambda: worker.loop.stats.reserved_blocks == 0 and not worker._pending, 5.0), (
-        worker.loop.stats, worker._pending)
+    assert wait_until(lambda: worker.status().core.reserved_blocks == 0 and worker.in_flight == 0, 5.0), (
+        worker.status(), worker.records())
     stats = worker.core.stats()
     assert (stats.free_blocks, stats.reserved_blocks, stats.num_running) == (stats.total_blocks, 0, 0)

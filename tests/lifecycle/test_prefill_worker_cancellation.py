@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.serving_loop import wait_until
 from kv_transfer.local import LocalBackend
 from kv_transfer.pool import ChannelPool
-from prefill_worker.worker import DecodeTarget, PrefillResult, PrefillWorker
+from prefill_worker.worker import DecodeTarget, PrefillResult, PrefillState, PrefillWorker
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
@@ -63,11 +63,15 @@ def _target(ticket_id: int, prompt: tuple[int, ...]) -> DecodeTarget:
     return DecodeTarget("decode:1", "inc-1", ticket_id, 0, -(-len(prompt) // BLOCK))
 
 
+def _sending(w: PrefillWorker) -> int:
+    return sum(r.state is PrefillState.SENDING for r in w.records())
+
+
 async def _storm(w: PrefillWorker, prompts: list[tuple[int, ...]], cancel: set[int]):
     tasks = [asyncio.create_task(w.prefill(f"r{i}", p, PARAMS, _target(100 + i, p)))
              for i, p in enumerate(prompts)]
-    in_flight = await asyncio.to_thread(wait_until, lambda: len(w._in_flight) == len(prompts), 30.0)
-    assert in_flight, f"only {len(w._in_flight)} of {len(prompts)} transfers were queued"
+    in_flight = await asyncio.to_thread(wait_until, lambda: _sending(w) == len(prompts), 30.0)
+    assert in_flight, f"only {_sending(w)} of {len(prompts)} transfers were queued"
     for i in sorted(cancel):
         tasks[i].cancel()
     done, _ = await asyncio.wait([tasks[i] for i in cancel], timeout=10)
@@ -85,8 +89,8 @@ def test_prefills_complete_when_clients_before_them_leave_mid_transfer(worker):
     assert [type(r) for r in results] == [PrefillResult] * 3
     assert [r.num_blocks for r in results] == [-(-len(prompts[i]) // BLOCK) for i in (1, 4, 5)]
     assert sorted(kv.header.ticket_id for kv in receiver.poll()) == [100, 101, 102, 103, 104, 105]
-    assert wait_until(lambda: not w._in_flight, 5.0)
+    assert wait_until(lambda: w.in_flight == 0, 5.0)
     stats = w.core.stats()
     assert (stats.free_blocks, stats.num_running, stats.num_waiting) == (stats.total_blocks, 0, 0)
     assert not w.core.scheduler.held
-    assert w.transfers == 6
+    assert w.status().transfers.count == 6
