@@ -11,7 +11,7 @@ import logging
 import os
 
 from kv_transfer.base import KV_TRANSFER_BACKENDS
-from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.engine_args import add_engine_args
 from pdserve.specs import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -60,15 +60,8 @@ def tune_allocator() -> None:
 def worker_spec_from_args(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> WorkerSpec:
     """The WorkerSpec the flags (and --config file) describe; an invalid value exits through
     parser.error with the reason (no traceback). The inverse of WorkerSpec.to_argv()."""
-    engine = engine_config_from_args(args, parser)
     try:
-        return WorkerSpec(
-            role=role, engine=engine, worker_id=args.worker_id, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, redis_url=args.redis_url, cluster=args.cluster,
-            kv_transfer=args.kv_transfer, transfer_timeout_s=args.transfer_timeout,
-            heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-            kv_snapshot_interval_s=args.kv_snapshot_interval, drain_timeout_s=args.drain_timeout,
-            ready_file=args.ready_file, log_level=args.log_level)
+        return WorkerSpec.from_args(args, role)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

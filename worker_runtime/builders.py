@@ -72,11 +72,20 @@ def build_prefill(spec: WorkerSpec, secret: bytes) -> PrefillWorker:
     return worker
 
 
+def prefill_servicer(worker, address: str, request_drain) -> PrefillWorkerServicer:
+    return PrefillWorkerServicer(worker, request_drain=request_drain)  # tickets carry D's address
+
+
+def decode_servicer(worker, address: str, request_drain) -> DecodeWorkerServicer:
+    return DecodeWorkerServicer(worker, address, request_drain=request_drain)  # put in its tickets
+
+
 PREFILL = RoleDef(
     name="prefill",
     service_name="pdserve.v1.PrefillWorker",
     build=build_prefill,
     servicer=PrefillWorkerServicer,
+    make_servicer=prefill_servicer,
     add_to_server=worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
 )
 DECODE = RoleDef(
@@ -84,5 +93,6 @@ DECODE = RoleDef(
     service_name="pdserve.v1.DecodeWorker",
     build=build_decode,
     servicer=DecodeWorkerServicer,
+    make_servicer=decode_servicer,
     add_to_server=worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
 )

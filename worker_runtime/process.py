@@ -23,7 +23,6 @@ WorkerStatus, with the process's own DRAINING state laid over the worker's.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 import time
@@ -36,7 +35,6 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.limits import grpc_message_options
-from worker_runtime.compat import drain_of, status_of
 from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics
 from worker_runtime.roles import role_def
 from worker_runtime.status import DrainResult, WorkerState, WorkerStatus
@@ -107,7 +105,7 @@ class WorkerProcess:
     def status(self) -> WorkerStatus:
         """The worker's frozen status, DRAINING from the moment this process started draining
         (before the worker itself refuses work). Any thread."""
-        status = status_of(self.worker, self.spec.role)
+        status = self.worker.status()
         if self.state is WorkerState.DRAINING and status.state is not WorkerState.DRAINING:
             return replace(status, state=WorkerState.DRAINING)
         return status
@@ -137,7 +135,7 @@ class WorkerProcess:
             await asyncio.sleep(ROUTER_SNAPSHOT_PERIOD_S)
             logger.info("%s worker %s draining: %d in flight, timeout %g s", self.spec.role,
                         self.worker.worker_id, self.status().in_flight, timeout_s)
-            result = await drain_of(self.worker, self.spec.role, timeout_s)
+            result = await self.worker.drain(timeout_s)
             self.drain_result = result
             logger.info("%s worker %s drained in %.2f s: %d finished, %d aborted at the timeout",
                         self.spec.role, self.worker.worker_id, time.monotonic() - start,
@@ -186,10 +184,8 @@ class WorkerProcess:
         self._announce(port)
 
     def _servicer(self):
-        """The role's servicer, given the keyword arguments its constructor takes."""
-        params = inspect.signature(self.role.servicer).parameters
-        offered = {"address": self.address, "request_drain": self.request_drain}
-        return self.role.servicer(self.worker, **{k: v for k, v in offered.items() if k in params})
+        """The role's servicer, with this process's address and drain hook."""
+        return self.role.make_servicer(self.worker, self.address, self.request_drain)
 
     def _start_metrics(self) -> None:
         labels = {"role": self.spec.role, "worker_id": self.worker.worker_id}

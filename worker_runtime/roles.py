@@ -35,8 +35,9 @@ class RoleDef:
     """(spec, cluster secret) -> the worker, built (model loaded) but not started. Blocks for
     the model load; raises ValueError on a spec the role cannot run."""
     servicer: type
-    """The gRPC servicer class; constructed with the worker, plus `address=` (the worker's own
-    gRPC host:port) and `request_drain=` when its constructor takes them."""
+    """The gRPC servicer class (its generated base names the service)."""
+    make_servicer: Callable[[Worker, str, Callable], Any]
+    """(worker, the worker's own gRPC host:port, the process's drain hook) -> the servicer."""
     add_to_server: Callable[[Any, Any], None]
     """The generated add_<Service>Servicer_to_server(servicer, server)."""
 
