@@ -225,23 +225,22 @@ def test_worker_stopped_by_sigint_when_idle_exits_zero(tiny_model_dir, redis_url
 def test_the_drain_hook_a_servicer_receives_drains_and_stops_the_process_once(tiny_model_dir):
     """The Drain RPC's path: the servicer calls the request_drain it was constructed with. Run in
     this process with the real WorkerProcess and DecodeWorker (no Redis, the `local` backend);
-    only the servicer is a subclass, to capture the hook."""
-    from decode_worker.servicer import DecodeWorkerServicer
+    only the role's servicer factory is wrapped, to capture the hook."""
+    from worker_runtime.builders import decode_servicer
     from worker_runtime.process import WorkerProcess
     from worker_runtime.status import WorkerState
 
     hooks = []
 
-    class HookedServicer(DecodeWorkerServicer):
-        def __init__(self, worker, address, request_drain):
-            super().__init__(worker, address)
-            hooks.append(request_drain)
+    def hooked_servicer(worker, address, request_drain):
+        hooks.append(request_drain)
+        return decode_servicer(worker, address, request_drain)
 
     engine = EngineConfig(model=str(tiny_model_dir), tokenizer=str(default_model_path()), dtype="float32",
                           max_model_len=1024, num_gpu_blocks_override=64, num_threads=1)
     spec = WorkerSpec(role="decode", engine=engine, worker_id="decode-hook", kv_transfer="local", drain_timeout_s=5.0)
     process = WorkerProcess(spec, load_cluster_secret())
-    process.role = dataclasses.replace(process.role, servicer=HookedServicer)
+    process.role = dataclasses.replace(process.role, make_servicer=hooked_servicer)
     process.worker = process.role.build(spec, load_cluster_secret())
 
     async def drain_through_the_hook():
@@ -259,15 +258,6 @@ def test_the_drain_hook_a_servicer_receives_drains_and_stops_the_process_once(ti
     assert process.drain_result is not None and (process.drain_result.finished, process.drain_result.aborted) == (0, 0)
 
 
-def _servicer_takes_the_drain_hook() -> bool:
-    import inspect
-
-    from decode_worker.servicer import DecodeWorkerServicer
-
-    return "request_drain" in inspect.signature(DecodeWorkerServicer).parameters
-
-
-@pytest.mark.skipif(not _servicer_takes_the_drain_hook(), reason="the workers' Drain RPC is not on this branch yet")
 def test_drain_rpc_past_its_timeout_ends_the_held_request_with_an_error_and_the_process_exits_zero(
         tiny_model_dir, redis_url, tmp_path, started):
     spec = decode_spec(tiny_model_dir, redis_url, tmp_path)
