@@ -1,0 +1,297 @@
+"""Issue 11's acceptance: `pdserve up --prefill 1 --decode 1` scaled at run time through the
+public API, with the real model, real processes and real Redis.
+
+One cluster for the module; the tests run in order and each first brings the cluster to the
+shape it needs (so one failure does not cascade): 1+1 -> `pdserve scale prefill=2 decode=2`
+-> scaled back to 1+1 under streaming load -> a decode worker SIGKILLed under load and brought
+back by the supervisor. Tokens are compared with the offline engine's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import RunningCluster, metric_by_label, start_cluster
+from tests.real_model import hf_tokenizer, prompt_token_ids
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+SHORT, LONG, KILLED = 16, 64, 400
+"""max_tokens of the scale-up burst, of the streams scaled down under, of the streams killed."""
+MAX_REPLICAS = 4
+ARRIVAL_GAP_S = 0.25
+DECISIONS = "pdserve_routing_decisions_total"
+
+
+def fresh_prompts() -> list[list[int]]:
+    """16 of the test prompts behind a distinct first line: no worker holds any of their
+    blocks (the prefix hash chains from the first token), so routing is not pinned by the
+    prefix cache to the worker that served the same prompt earlier in the module."""
+    tok = hf_tokenizer()
+    return [tok(f"Note {i}.\n", add_special_tokens=False)["input_ids"] + list(ids)
+            for i, ids in enumerate(prompt_token_ids()[:16])]
+
+
+@dataclass(frozen=True)
+class Reference:
+    short: list[list[int]]
+    """Greedy SHORT tokens of each of the 30 prompts."""
+    fresh: list[list[int]]
+    """Greedy LONG tokens of each fresh prompt."""
+
+
+@pytest.fixture(scope="module")
+def reference() -> Reference:
+    """The offline engine's greedy tokens, computed before the cluster starts so the two do
+    not share the cores."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", max_model_len=1024)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    short = llm.generate([list(p) for p in prompt_token_ids()], greedy(SHORT))
+    fresh = llm.generate(fresh_prompts(), greedy(LONG))
+    del llm
+    return Reference([list(o.token_ids) for o in short], [list(o.token_ids) for o in fresh])
+
+
+@pytest.fixture(scope="module")
+def cluster(reference, tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("scaling"), "--prefill", "1", "--decode", "1",
+                      "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+                      "--max-replicas", str(MAX_REPLICAS))
+    children: list[int] = []
+    try:
+        yield c
+        children = _children(c.process.pid)
+    finally:
+        c.stop()
+    time.sleep(1)
+    assert [pid for pid in children if _alive(pid)] == [], "processes of pdserve up left running"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ helpers
+@dataclass
+class StreamResult:
+    status: int
+    token_ids: list[int]
+    error: dict | str | None
+    """The in-band `error` object of the SSE stream, or the body of a non-200 answer."""
+    done: bool
+    """The stream ended with `data: [DONE]`."""
+    decode_id: str | None = None
+    """The decode worker the router placed it on (its x-pdserve-route header)."""
+
+
+async def stream_completion(client: httpx.AsyncClient, ids, max_tokens: int,
+                            first_token: asyncio.Event | None = None) -> StreamResult:
+    body = {"model": MODEL, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    result = StreamResult(0, [], None, False)
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        result.status = r.status_code
+        route = dict(part.split("=", 1) for part in r.headers.get("x-pdserve-route", "").split("; ") if "=" in part)
+        result.decode_id = route.get("decode")
+        if r.status_code != 200:
+            result.error = (await r.aread()).decode()
+            return result
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result.done = True
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.error = chunk["error"]
+                continue
+            for choice in chunk["choices"]:
+                result.token_ids += choice.get("token_ids") or []
+            if result.token_ids and first_token is not None:
+                first_token.set()
+    return result
+
+
+async def complete_all(base_url: str, prompts, max_tokens: int) -> list[httpx.Response]:
+    """All prompts at once, non-streamed, greedy."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": MODEL, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}) for ids in prompts))
+
+
+def ensure_shape(cluster: RunningCluster, prefill: int, decode: int) -> dict[str, dict]:
+    """Bring the cluster to prefill+decode (no-op when it is there already)."""
+    roles = cluster.roles()
+    if (roles["prefill"]["desired"], roles["decode"]["desired"]) != (prefill, decode):
+        done = cluster.scale(prefill=prefill, decode=decode)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return cluster.wait_for_roles(180, prefill=prefill, decode=decode)
+
+
+def worker_ids(roles: dict[str, dict], role: str) -> set[str]:
+    return {w["worker_id"] for w in roles[role]["workers"]}
+
+
+def decisions(cluster: RunningCluster, label: str) -> dict[str, float]:
+    return metric_by_label(cluster.metrics(), DECISIONS, label)
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def assert_pools_empty(cluster: RunningCluster, workers: set[str]) -> None:
+    pools = cluster.wait_for_empty_pools(timeout_s=30)
+    assert set(pools) == workers
+    assert {w: (free, reserved) for w, (total, free, reserved) in pools.items()} == \
+        {w: (total, 0.0) for w, (total, _, _) in pools.items()}, pools
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("replicas, message", [
+    (-1, "replicas must be >= 0; got -1"),
+    (1.5, "replicas must be an integer; got 1.5"),
+    ("two", "replicas must be an integer; got 'two'"),
+    (True, "replicas must be an integer; got True"),
+    (MAX_REPLICAS + 1, f"replicas must be <= {MAX_REPLICAS} (--max-replicas); got {MAX_REPLICAS + 1}"),
+], ids=["negative", "fraction", "string", "bool", "above-max"])
+def test_put_role_with_bad_replicas_is_400_with_the_reason_and_changes_nothing(cluster, replicas, message):
+    desired = cluster.roles()["decode"]["desired"]
+    r = cluster.put_replicas("decode", replicas)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": message, "type": "BadRequestError", "param": "replicas", "code": 400}}
+    assert cluster.roles()["decode"]["desired"] == desired
+
+
+def test_scale_up_registers_both_new_workers_within_60_s_and_they_serve(cluster, reference):
+    before = ensure_shape(cluster, 1, 1)
+    decode_before, prefill_before = decisions(cluster, "decode"), decisions(cluster, "prefill")
+    started = time.monotonic()
+    done = cluster.scale(prefill=2, decode=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    roles = cluster.wait_for_roles(180, prefill=2, decode=2)
+    took_s = time.monotonic() - started
+    new = {role: worker_ids(roles, role) - worker_ids(before, role) for role in ("prefill", "decode")}
+    assert [len(new["prefill"]), len(new["decode"])] == [1, 1], roles
+    assert took_s < 60, f"the new workers took {took_s:.1f} s to serve"
+    registered = cluster.cluster_workers()
+    assert new["prefill"] | new["decode"] <= set(registered), registered
+
+    responses = asyncio.run(complete_all(cluster.base_url, prompt_token_ids(), SHORT))
+    assert [r.status_code for r in responses] == [200] * len(responses), [r.text for r in responses]
+    assert {r.headers["x-pdserve-path"] for r in responses} == {"disaggregated"}
+    assert [r.json()["choices"][0]["token_ids"] for r in responses] == reference.short
+    got_decode = delta(decisions(cluster, "decode"), decode_before)
+    got_prefill = delta(decisions(cluster, "prefill"), prefill_before)
+    assert set(got_decode) == worker_ids(roles, "decode"), got_decode  # both decode workers got some
+    assert set(got_prefill) == worker_ids(roles, "prefill"), got_prefill
+    assert sum(got_decode.values()) == len(responses)
+
+
+def test_scale_down_under_16_streams_completes_all_with_the_same_tokens_and_frees_every_block(
+        cluster, reference):
+    before = ensure_shape(cluster, 2, 2)
+    prompts = fresh_prompts()
+
+    async def scenario():
+        firsts = [asyncio.Event() for _ in prompts]
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=300) as client:
+            tasks = []
+            for ids, first in zip(prompts, firsts):
+                # Arrivals spread over ~4 s, as real ones are: a burst sent in one instant is
+                # placed from one cluster snapshot, all on the same decode worker.
+                tasks.append(asyncio.create_task(stream_completion(client, ids, LONG, first)))
+                await asyncio.sleep(ARRIVAL_GAP_S)
+            # Scale down once half the streams have a token: the rest are still being
+            # prefilled or transferred, so both the prefill and the decode drain have work.
+            deadline = time.monotonic() + 120
+            while sum(f.is_set() for f in firsts) < len(prompts) // 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            in_flight = sum(not t.done() for t in tasks)
+            scaled = await asyncio.to_thread(cluster.scale, prefill=1, decode=1)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        return in_flight, scaled, results
+
+    in_flight, scaled, results = asyncio.run(scenario())
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    assert in_flight >= len(prompts) // 2, f"only {in_flight} streams were in flight at the scale-down"
+    assert [(r.status, r.error, r.done) for r in results] == [(200, None, True)] * len(prompts)
+    assert [r.token_ids for r in results] == reference.fresh
+
+    after = cluster.wait_for_roles(180, prefill=1, decode=1)
+    (removed_prefill,) = worker_ids(before, "prefill") - worker_ids(after, "prefill")
+    (removed_decode,) = worker_ids(before, "decode") - worker_ids(after, "decode")
+    placed = [r.decode_id for r in results]
+    assert removed_decode in placed, f"the removed decode worker got none of the streams: {placed}"
+    removed = (removed_prefill, removed_decode)
+    assert cluster.wait_for_exit(removed) == {w: [] for w in removed}
+    assert_pools_empty(cluster, worker_ids(after, "prefill") | worker_ids(after, "decode"))
+
+
+def test_sigkilled_decode_worker_fails_its_streams_explicitly_and_is_restarted(cluster, reference):
+    before = ensure_shape(cluster, 1, 1)
+    (victim,) = before["decode"]["workers"]
+    prompts = prompt_token_ids()[:6]
+
+    async def scenario():
+        firsts = [asyncio.Event() for _ in prompts]
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=300) as client:
+            tasks = [asyncio.create_task(stream_completion(client, ids, KILLED, first))
+                     for ids, first in zip(prompts, firsts)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+            os.kill(cluster.worker_pid(victim["worker_id"]), signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return results, time.monotonic() - killed_at
+
+    results, ended_within_s = asyncio.run(scenario())
+    assert ended_within_s < 60, f"the streams took {ended_within_s:.1f} s to end after the kill"
+    explicit = [r.status != 200 or (r.error is not None and r.done) for r in results]
+    assert explicit == [True] * len(prompts), results
+    assert all(len(r.token_ids) < KILLED for r in results)
+
+    after = wait_for_restart(cluster, victim, before["decode"]["restarts"])
+    (reborn,) = after["decode"]["workers"]
+    assert reborn["incarnation"] != victim["incarnation"]
+    responses = asyncio.run(complete_all(cluster.base_url, prompts, SHORT))
+    assert [r.status_code for r in responses] == [200] * len(prompts), [r.text for r in responses]
+    assert [r.json()["choices"][0]["token_ids"] for r in responses] == reference.short[:6]
+    assert_pools_empty(cluster, worker_ids(after, "prefill") | worker_ids(after, "decode"))
+
+
+def wait_for_restart(cluster: RunningCluster, victim: dict, restarts_before: int,
+                     timeout_s: float = 180) -> dict[str, dict]:
+    """Until the supervisor counted a decode restart and a new incarnation serves; bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        roles = cluster.roles()
+        decode = roles["decode"]
+        fresh = [w for w in decode["workers"] if w["incarnation"] != victim["incarnation"]]
+        if decode["restarts"] > restarts_before and fresh and decode["ready"] == decode["desired"] == 1:
+            return cluster.wait_for_roles(60, prefill=1, decode=1)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no restarted decode worker in {timeout_s:.0f} s: {roles}")
+        time.sleep(0.5)
