@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -48,6 +49,10 @@ from kv_transfer.packing import unpack_blocks
 from worker_runtime.status import DrainResult, TransferTotals, WorkerState, WorkerStatus
 
 logger = logging.getLogger(__name__)
+
+LOOP_COMMAND_TIMEOUT_S = 30.0
+"""Longest a drain waits for the engine loop to run one of its commands (one engine step
+plus the command; far above any step on the models we serve)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,11 @@ class DecodeWorker:
         return self.receiver.open_channel()
 
     # --------------------------------------------------------------- drain
+    async def _on_loop(self, command: Callable[[], int]) -> int:
+        """Run a drain's command on the engine loop, bounded: a wedged loop must not hang the
+        drain (asyncio.TimeoutError then; the process exits anyway)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.loop.submit(command)), LOOP_COMMAND_TIMEOUT_S)
+
     def begin_drain(self) -> bool:
         """Refuse new Decode calls from now on (DecodeDraining). Idempotent; True the first
         time. Any thread."""
@@ -176,7 +186,7 @@ class DecodeWorker:
         before = self.in_flight
         cut = 0
         if not await wait_until_async(lambda: self.in_flight == 0, timeout_s):
-            cut = await asyncio.wrap_future(self.loop.submit(lambda: self._cut(timeout_s)))
+            cut = await self._on_loop(lambda: self._cut(timeout_s))
         result = DrainResult(finished=max(before - cut, 0), aborted=cut, seconds=time.monotonic() - started)
         logger.info("decode worker %s drained: %d finished, %d ended by the %g s timeout, %.2f s",
                     self.worker_id, result.finished, result.aborted, timeout_s, result.seconds)

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import ClassVar
 
@@ -42,6 +42,7 @@ from engine.serving_loop import ServingLoop, wait_until_async
 from kv_transfer.base import ChannelAddress, TransferResult, TransferState
 from kv_transfer.packing import make_header, pack_blocks
 from kv_transfer.pool import ChannelPool
+from prefill_worker.openings import ChannelOpener, ChannelOpenings
 from prefill_worker.states import (  # noqa: F401 - the types callers need are re-exported here
     TERMINAL, DecodeTarget, PrefillAborted, PrefillDrained, PrefillDraining, PrefillRecord,
     PrefillResult, PrefillState, Shipment, TransferFailed, move, prefill_params, settle,
@@ -50,8 +51,10 @@ from worker_runtime.status import DrainResult, TransferTotals, WorkerState, Work
 
 logger = logging.getLogger(__name__)
 
-ChannelOpener = Callable[[str], Awaitable[ChannelAddress]]
-"""Asks the decode worker at a gRPC address to open a data channel for us."""
+LOOP_COMMAND_TIMEOUT_S = 30.0
+"""Longest a drain waits for the engine loop to run one of its commands (one engine step
+plus the command; far above any step on the models we serve)."""
+
 
 
 class PrefillWorker:
@@ -67,12 +70,10 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         """The transport's limit per wire operation (TransferConfig.timeout_s): a drain waits
         a bounded multiple of it for transfers already queued when its own timeout passes."""
-        self._open_channel = open_channel
+        self._openings = ChannelOpenings(open_channel)
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)
-        self._addresses: dict[tuple[str, str], asyncio.Future[ChannelAddress]] = {}
-        """One OpenChannel per decode worker incarnation, shared by concurrent requests."""
         self._lock = threading.Lock()
         """Guards the indexes below and the worker state (status() reads them on any thread)."""
         self._state = WorkerState.STARTING
@@ -153,6 +154,11 @@ class PrefillWorker:
         return False if record is None else await self._abort(record)
 
     # --------------------------------------------------------------- drain
+    async def _on_loop(self, command: Callable[[], int]) -> int:
+        """Run a drain's command on the engine loop, bounded: a wedged loop must not hang the
+        drain (asyncio.TimeoutError then; the process exits anyway)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.loop.submit(command)), LOOP_COMMAND_TIMEOUT_S)
+
     def begin_drain(self) -> bool:
         """Refuse new Prefill calls from now on (PrefillDraining). Idempotent; True the first
         time. Any thread."""
@@ -190,12 +196,12 @@ class PrefillWorker:
             if record.state is PrefillState.CONNECTING:  # moved only on this (asyncio) thread
                 self._end(record, PrefillState.FAILED, drained(record))
                 cut += 1
-        cut += await asyncio.wrap_future(self.loop.submit(lambda: self._cut_unsent(drained)))
+        cut += await self._on_loop(lambda: self._cut_unsent(drained))
         # Transfers already on the wire: the transport ends each within its own timeout (a
         # header, a payload and an ack, each bounded by transfer_timeout_s).
         bound = 3 * self.transfer_timeout_s + 1.0
         if not await wait_until_async(lambda: self.in_flight == 0, bound):
-            cut += await asyncio.wrap_future(self.loop.submit(lambda: self._cut_sending(bound)))
+            cut += await self._on_loop(lambda: self._cut_sending(bound))
         return cut
 
     def _cut_unsent(self, drained: Callable[[PrefillRecord], PrefillDrained]) -> int:
@@ -237,7 +243,7 @@ class PrefillWorker:
     async def _connect(self, record: PrefillRecord, target: DecodeTarget,
                        answer: asyncio.Future) -> ChannelAddress | None:
         """The channel's address; None when the record ended meanwhile (a drain, a failure)."""
-        opening = asyncio.ensure_future(self._channel(target))
+        opening = asyncio.ensure_future(self._openings.get(target.decode_address, target.incarnation))
         try:
             await asyncio.wait((opening, answer), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -254,17 +260,6 @@ class PrefillWorker:
             return None
         return opening.result()
 
-    async def _channel(self, target: DecodeTarget) -> ChannelAddress:
-        key = (target.decode_address, target.incarnation)
-        opening = self._addresses.get(key)
-        if opening is None:
-            opening = self._addresses[key] = asyncio.ensure_future(self._open_channel(target.decode_address))
-        try:
-            return await asyncio.shield(opening)
-        except Exception:
-            if self._addresses.get(key) is opening:
-                del self._addresses[key]  # the next request tries again
-            raise
 
     async def _abort(self, record: PrefillRecord) -> bool:
         if record.state is PrefillState.CONNECTING:  # moved only on this (asyncio) thread
@@ -396,7 +391,7 @@ class PrefillWorker:
         assert shipment is not None, f"SENDING record {record.request_id} has no shipment"
         if result.state is TransferState.FAILED:
             # The channel is gone; the next request to that decode worker opens a new one.
-            self._addresses.pop(shipment.channel_key, None)
+            self._openings.forget(shipment.channel_key)
             self._totals = replace(self._totals, failures=self._totals.failures + 1)
             state = PrefillState.ABORTED if record.abandoned else PrefillState.FAILED
             self._end(record, state, TransferFailed(result.error or "transfer failed"))
