@@ -120,12 +120,6 @@ class DecodeWorker:
             block_size=self.core.config.block_size, max_model_len=self.core.max_model_len,
             core=self.loop.stats, in_flight=len(self._live), transfers=self._totals)
 
-    # Until every reader uses status().transfers (pdserve/worker_metrics.py reads these).
-    transfers = property(lambda self: self._totals.count)
-    transfer_bytes = property(lambda self: self._totals.nbytes)
-    transfer_seconds = property(lambda self: self._totals.seconds)
-    transfer_failures = property(lambda self: self._totals.failures)
-
     # ------------------------------------------------------------ admission
     async def admit(
         self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, ticket_timeout_s: float,

@@ -122,11 +122,6 @@ class PrefillWorker:
             block_size=self.core.config.block_size, max_model_len=self.core.max_model_len,
             core=self.loop.stats, in_flight=len(self._live), transfers=self._totals)
 
-    # Until every reader uses status().transfers (pdserve/worker_metrics.py reads these).
-    transfers = property(lambda self: self._totals.count)
-    transfer_bytes = property(lambda self: self._totals.nbytes)
-    transfer_seconds = property(lambda self: self._totals.seconds)
-
     # ---------------------------------------------------------- the RPCs
     async def prefill(
         self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, target: DecodeTarget

@@ -68,7 +68,7 @@ def build_prefill(spec: WorkerSpec, secret: bytes) -> PrefillWorker:
 
     backend = KV_TRANSFER_BACKENDS.get(spec.kv_transfer)(transfer)
     worker = PrefillWorker(core, ChannelPool(backend), opener, worker_id=spec.worker_id,
-                           backend_name=spec.kv_transfer)
+                           backend_name=spec.kv_transfer, transfer_timeout_s=spec.transfer_timeout_s)
     return worker
 
 
