@@ -266,6 +266,9 @@ class EmbeddedRedis:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=tmp_dir,
+                    # Its own process group: a terminal's Ctrl-C reaches only `pdserve up`, which stops
+                    # Redis last, after the router and workers have drained (they still need it).
+                    process_group=0,
                     preexec_fn=die_with_parent,  # no orphan Redis if `pdserve up` is SIGKILLed
                 )
         except OSError as exc:
