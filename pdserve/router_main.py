@@ -95,21 +95,27 @@ def add_deadline_args(g) -> None:
                         "included) before the request ends with an explicit error")
 
 
-def api_key_from(args: argparse.Namespace) -> str | None:
-    """--api-key, else $PDSERVE_API_KEY, else the contents of $PDSERVE_API_KEY_FILE."""
-    if args.api_key:
-        logger.warning("--api-key on the command line is visible to every user of this host (ps); "
-                       "prefer PDSERVE_API_KEY_FILE or PDSERVE_API_KEY")
-        return args.api_key
-    if os.environ.get("PDSERVE_API_KEY"):
-        return os.environ["PDSERVE_API_KEY"]
-    key_file = os.environ.get("PDSERVE_API_KEY_FILE")
+def key_from(flag_value: str | None, flag: str, env: str) -> str | None:
+    """A bearer key: the flag's value (with a warning: `ps` shows it), else $env, else the
+    contents of the file named by ${env}_FILE; an empty file refuses to serve."""
+    if flag_value:
+        logger.warning("%s on the command line is visible to every user of this host (ps); "
+                       "prefer %s_FILE or %s", flag, env, env)
+        return flag_value
+    if os.environ.get(env):
+        return os.environ[env]
+    key_file = os.environ.get(f"{env}_FILE")
     if not key_file:
         return None
     key = Path(key_file).read_text().strip()
     if not key:
-        raise SystemExit(f"PDSERVE_API_KEY_FILE {key_file} is empty: refusing to serve without the key it promises")
+        raise SystemExit(f"{env}_FILE {key_file} is empty: refusing to serve without the key it promises")
     return key
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PDSERVE_API_KEY, else the contents of $PDSERVE_API_KEY_FILE."""
+    return key_from(args.api_key, "--api-key", "PDSERVE_API_KEY")
 
 
 def build_service(args: argparse.Namespace):
@@ -217,19 +223,7 @@ def add_admin_args(g) -> None:
 
 def admin_key_from(args: argparse.Namespace) -> str | None:
     """--admin-key, else $PDSERVE_ADMIN_KEY, else the contents of $PDSERVE_ADMIN_KEY_FILE."""
-    if args.admin_key:
-        logger.warning("--admin-key on the command line is visible to every user of this host (ps); "
-                       "prefer PDSERVE_ADMIN_KEY_FILE or PDSERVE_ADMIN_KEY")
-        return args.admin_key
-    if os.environ.get("PDSERVE_ADMIN_KEY"):
-        return os.environ["PDSERVE_ADMIN_KEY"]
-    key_file = os.environ.get("PDSERVE_ADMIN_KEY_FILE")
-    if not key_file:
-        return None
-    key = Path(key_file).read_text().strip()
-    if not key:
-        raise SystemExit(f"PDSERVE_ADMIN_KEY_FILE {key_file} is empty: refusing to serve without the key it promises")
-    return key
+    return key_from(args.admin_key, "--admin-key", "PDSERVE_ADMIN_KEY")
 
 
 def make_scaler(name: str, redis_url: str | None, cluster: str, secret: bytes | None):
