@@ -108,9 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
-    up = sub.add_parser("up", parents=[common], help="run a whole cluster on this machine")
+    up = sub.add_parser("up", parents=[common], help="run a whole cluster (local processes, or Ray actors)")
     add_up_args(up)
     up.set_defaults(func=cmd_up)
+
+    from pdserve.launchers.ray.args import add_down_args
+
+    down = sub.add_parser("down", parents=[common], help="stop a cluster started by `pdserve up --launcher ray`")
+    add_down_args(down)
+    down.set_defaults(func=cmd_down)
 
     from pdserve.scale_client import add_scale_args, cmd_scale
 
@@ -139,8 +145,10 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                         "requests; past it they end with an explicit error")
     g.add_argument("--max-replicas", type=int, default=16,
                    help="most workers per role a scale request may ask for (the router and supervisor both hold to it)")
+    from pdserve.launchers.ray.args import add_launcher_args
     from pdserve.router_main import add_routing_args
 
+    add_launcher_args(up)
     add_routing_args(up.add_argument_group("routing and admission"))
     add_engine_args(up)
 
@@ -165,7 +173,32 @@ def cmd_up(args, parser) -> int:
         engine_config_from(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.launcher == "ray":
+        return run_up(args, ray_cluster_class(parser, args))
     return run_up(args)
+
+
+def ray_cluster_class(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """RayCluster, after checking the Ray flags; a missing `ray` is one line naming the extra."""
+    from pdserve.launchers.ray.placement import placements_from_args
+
+    try:
+        placements_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        from pdserve.launchers.ray.cluster import RayCluster
+    except ImportError as exc:
+        parser.exit(2, f"pdserve up --launcher ray: Ray is not installed ({exc}); pip install 'pdserve[ray]'\n")
+    return RayCluster
+
+
+def cmd_down(args, parser) -> int:
+    try:
+        from pdserve.launchers.ray.cluster import run_down
+    except ImportError as exc:
+        parser.exit(2, f"pdserve down: Ray is not installed ({exc}); pip install 'pdserve[ray]'\n")
+    return run_down(args)
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -4,8 +4,8 @@ Lifecycle: created (no process) -> start() -> running (PING answered) -> stop() 
 (process gone, temp dir removed). stop() is idempotent; a stopped EmbeddedRedis may be started
 again (same port if one was given, else a new free one).
 
-The server listens on 127.0.0.1 only, keeps no data on disk (no RDB snapshots, no AOF) and
-runs in its own temp dir. It is locked down, because whoever can write the cluster state could
+The server listens on 127.0.0.1 only (unless given another host: a multi-node Ray cluster's
+node address), keeps no data on disk (no RDB snapshots, no AOF) and runs in its own temp dir. It is locked down, because whoever can write the cluster state could
 otherwise redirect traffic or write files on the host:
 - a password (`requirepass`; generated unless given) that every client must AUTH with. It is
   written with the rest of the settings to a config file (0600, in the private 0700 temp dir),
@@ -124,12 +124,12 @@ def share_cluster_secrets(server: EmbeddedRedis) -> None:
         os.environ[CLUSTER_SECRET_ENV] = generate_secret()
 
 
-def config_text(port: int, tmp_dir: str, password: str) -> str:
+def config_text(port: int, tmp_dir: str, password: str, host: str = HOST) -> str:
     """The server's redis.conf: 127.0.0.1 only, nothing on disk, the password, the commands
     of DISABLED_COMMANDS gone."""
     lines = [
         f"port {port}",
-        f"bind {HOST}",
+        f"bind {host}",
         'save ""',
         "appendonly no",
         f'dir "{tmp_dir}"',
@@ -161,7 +161,7 @@ def _cleanup(proc: subprocess.Popen, tmp_dir: str, timeout_s: float) -> None:
 
 
 class EmbeddedRedis:
-    """A private redis-server subprocess on 127.0.0.1. Not thread-safe; one owner.
+    """A private redis-server subprocess on 127.0.0.1 (or the host given). Not thread-safe; one owner.
 
     `port=None` picks a free port at start(); give a port to come back on the same address
     (e.g. a test restarting Redis under a reader that holds its URL). `password=None` generates
@@ -180,11 +180,15 @@ class EmbeddedRedis:
         stop_timeout_s: float = 5.0,
         executable: str | os.PathLike[str] | None = None,
         password: str | None = None,
+        host: str = HOST,
     ) -> None:
+        """host: the address to bind and advertise (127.0.0.1 unless other machines need it, as
+        on a multi-node Ray cluster)."""
         if password is not None and (not password or any(c.isspace() or c in "\"'\\" for c in password)):
             raise ValueError("the embedded Redis password must be non-empty, without whitespace or quotes")
         self._password = password if password is not None else secrets.token_urlsafe(32)
         self._requested_port = port
+        self._host = host
         self._port: int | None = port
         self._start_timeout_s = start_timeout_s
         self._stop_timeout_s = stop_timeout_s
@@ -195,7 +199,7 @@ class EmbeddedRedis:
 
     @property
     def host(self) -> str:
-        return HOST
+        return self._host
 
     @property
     def port(self) -> int:
@@ -206,8 +210,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """redis://127.0.0.1:PORT/0, without the password (safe to print and to put on argv)."""
-        return f"redis://{HOST}:{self.port}/0"
+        """redis://HOST:PORT/0, without the password (safe to print and to put on argv)."""
+        return f"redis://{self._host}:{self.port}/0"
 
     @property
     def password(self) -> str:
@@ -240,7 +244,7 @@ class EmbeddedRedis:
             raise EmbeddedRedisError(f"no redis-server executable at {executable}")
         attempts = 1 if self._requested_port is not None else self.START_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            port = self._requested_port if self._requested_port is not None else free_port()
+            port = self._requested_port if self._requested_port is not None else free_port(self._host)
             try:
                 self._launch(executable, port)
                 return self
@@ -256,7 +260,7 @@ class EmbeddedRedis:
         conf_path = Path(tmp_dir) / "redis.conf"
         fd = os.open(conf_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as conf:
-            conf.write(config_text(port, tmp_dir, self._password))
+            conf.write(config_text(port, tmp_dir, self._password, self._host))
         args = [str(executable), str(conf_path)]  # the password stays off argv
         try:
             with open(log_path, "wb") as log:
@@ -281,7 +285,7 @@ class EmbeddedRedis:
             if proc.poll() is not None:
                 break
             # Re-check after PING: on a port picked free, another server may have bound it.
-            if ping(HOST, port, password=self._password) and proc.poll() is None:
+            if ping(self._host, port, password=self._password) and proc.poll() is None:
                 logger.info("embedded Redis (pid %d) ready at %s", proc.pid, self.url)
                 return
             time.sleep(0.02)
@@ -293,7 +297,7 @@ class EmbeddedRedis:
             f"did not answer PING within {self._start_timeout_s:g} s"
         )
         raise EmbeddedRedisError(
-            f"embedded Redis ({executable}) on {HOST}:{port} {state}; its log:\n{log_tail}"
+            f"embedded Redis ({executable}) on {self._host}:{port} {state}; its log:\n{log_tail}"
         )
 
     def restart(self) -> EmbeddedRedis:

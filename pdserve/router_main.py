@@ -266,7 +266,10 @@ def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
 # --- end of the roles, scaling and admin block ---------------------------------------------
 
 
-async def serve_router(args: argparse.Namespace) -> None:
+async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = None,
+                       on_ready=None) -> None:
+    """Serve until SIGINT/SIGTERM, or until `stop` is set when given (a host that is not this
+    process's main thread: a Ray actor). on_ready(http_port, grpc_port) is called once serving."""
     import uvicorn
 
     from router.grpc_api import start_grpc_server
@@ -300,10 +303,13 @@ async def serve_router(args: argparse.Namespace) -> None:
                 args.host, http_port, args.host, grpc_port)
     if args.ready_file:
         Path(args.ready_file).write_text(f"{http_port} {grpc_port}\n")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(http_port, grpc_port)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     server.should_exit = True
     await http_task

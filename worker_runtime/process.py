@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -57,10 +58,16 @@ STOP_GRACE_S = 2.0
 class WorkerProcess:
     """Hosts one worker in this process; see the module docstring for its lifecycle."""
 
-    def __init__(self, spec: WorkerSpec, secret: bytes) -> None:
+    def __init__(self, spec: WorkerSpec, secret: bytes, *, handle_signals: bool = True) -> None:
         """secret: the cluster secret (callers prove it; it signs heartbeats and admits a
-        prefill to a data channel). Raises KeyError for a role with no registry entry."""
+        prefill to a data channel). handle_signals False: the host is not this process's main
+        thread (a Ray actor); it drains through drain_threadsafe() instead of SIGTERM. Raises
+        KeyError for a role with no registry entry."""
         self.spec = spec
+        self._handle_signals = handle_signals
+        self.serving = threading.Event()
+        """Set once the worker serves (its address and metrics_port are known); any thread."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.role = role_def(spec.role)
         self._secret = secret
         self.state = WorkerState.STARTING
@@ -93,10 +100,13 @@ class WorkerProcess:
     async def serve(self) -> int:
         """Serve the built worker until a drain ends or a second signal; then stop everything."""
         self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self.worker.start()
         try:
             await self._start()
-            self._install_signal_handlers()
+            if self._handle_signals:
+                self._install_signal_handlers()
+            self.serving.set()
             await self._stopping.wait()
         finally:
             await self._shutdown()
@@ -144,6 +154,20 @@ class WorkerProcess:
             logger.exception("draining %s failed; stopping now", self.worker.worker_id)
         finally:
             self._stopping.set()
+
+    def drain_threadsafe(self, forced: bool = False) -> bool:
+        """From any thread (a Ray actor's method): start the drain (forced: stop at once, as a
+        second signal does). False when the worker is not serving yet or already stopping."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return False
+        loop.call_soon_threadsafe(self._stop_now if forced else self.begin_drain, self.spec.drain_timeout_s)
+        return True
+
+    def _stop_now(self, _timeout_s: float = 0.0) -> None:
+        logger.warning("stopping at once, %d request(s) in flight end with an error", self.status().in_flight)
+        self._forced = True
+        self._stopping.set()
 
     def _on_signal(self, signum: int) -> None:
         self._signals += 1

@@ -54,6 +54,10 @@ class ChildProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def where(self) -> str:
+        return f"pid {self.process.pid}"
+
     def poll(self) -> int | None:
         """The exit code once it has exited (reaped), else None. Never blocks."""
         return self.process.poll()

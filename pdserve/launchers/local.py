@@ -78,6 +78,11 @@ class Signals:
 
 
 class LocalCluster:
+    kind = "local"
+    """The launcher's name in the supervisor's status (the scaler of that name checks it)."""
+    scaler = "local"
+    """The router's --scaler."""
+
     def __init__(self, args: argparse.Namespace, signals: Signals | None = None) -> None:
         self.args = args
         self.signals = signals or Signals()
@@ -140,10 +145,10 @@ class LocalCluster:
                 raise Stopping
 
     def start_router(self) -> None:
-        spec = dataclasses.replace(RouterSpec.from_args(self.args), redis_url=self.redis_url, scaler="local",
+        spec = dataclasses.replace(RouterSpec.from_args(self.args), redis_url=self.redis_url, scaler=self.scaler,
                                    max_replicas=self.max_replicas, ready_file=str(self.workdir / "router.ready"),
                                    log_level=self.args.log_level)
-        self.router = ChildProcess("router", spec.to_argv(), self.env, Path(spec.ready_file))
+        self.router = self._launch_router(spec)
         deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
         while not self.router.is_ready():
             if (code := self.router.poll()) is not None:
@@ -154,8 +159,15 @@ class LocalCluster:
             if not self.signals.sleep(0.1, below=1):
                 raise Stopping
 
+    def _launch_router(self, spec: RouterSpec):
+        return ChildProcess("router", spec.to_argv(), self.env, Path(spec.ready_file or ""))
+
+    def threads_of(self, role: str) -> int:
+        """Engine threads of one worker of `role`."""
+        return self.threads_per_worker()
+
     def _worker_spec(self, role: str, worker_id: str) -> WorkerSpec:
-        engine = dataclasses.replace(engine_config_from(self.args), num_threads=self.threads_per_worker())
+        engine = dataclasses.replace(engine_config_from(self.args), num_threads=self.threads_of(role))
         return WorkerSpec(role=role, engine=engine, worker_id=worker_id, host=self.args.host,  # type: ignore[arg-type]
                           redis_url=self.redis_url, cluster=self.args.cluster, kv_transfer=self.args.kv_transfer,
                           drain_timeout_s=self.args.drain_timeout, ready_file=str(self.workdir / f"{worker_id}.ready"),
@@ -185,7 +197,8 @@ class LocalCluster:
         self._supervise_redis()
         assert self.store is not None, "start() builds the store"
         self.supervisor.step(self.store.read())
-        self.store.publish_status(status_fields(os.getpid(), self.supervisor.restarts, self.supervisor.counts()))
+        self.store.publish_status(status_fields(os.getpid(), self.supervisor.restarts, self.supervisor.counts(),
+                                                kind=self.kind))
 
     def wait(self) -> int:
         """Reconcile until Ctrl-C / SIGTERM (0) or the router exits (1)."""
@@ -246,10 +259,15 @@ class LocalCluster:
             self.signals.sleep(0.1, below=2)
 
 
-def run_up(args: argparse.Namespace) -> int:
+    def describe(self) -> str:
+        """Lines about where it runs, for the start banner."""
+        return f"redis {redact_url(self.redis_url)}; Ctrl-C drains and stops everything."
+
+
+def run_up(args: argparse.Namespace, cluster_class: type[LocalCluster] = LocalCluster) -> int:
     signals = Signals()
     signals.install()  # also when SIGINT was inherited ignored (`make run &`)
-    cluster = LocalCluster(args, signals)
+    cluster = cluster_class(args, signals)
     try:
         cluster.start()
         print(
@@ -257,7 +275,7 @@ def run_up(args: argparse.Namespace) -> int:
             f"\n  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json' "
             """-d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hello!"}]}'"""
             f"\n  scale: pdserve scale prefill=2 decode=2 --url http://{args.host}:{args.port}"
-            f"\nredis {redact_url(cluster.redis_url)}; Ctrl-C drains and stops everything.\n",
+            f"\n{cluster.describe()}\n",
             flush=True,
         )
         return cluster.wait()

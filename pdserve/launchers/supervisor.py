@@ -50,9 +50,13 @@ def restart_delay(failures: int) -> float:
 
 
 class Process(Protocol):
-    """What the supervisor needs of a started worker (pdserve.launchers.child.ChildProcess)."""
+    """What the supervisor needs of a started worker: a local process
+    (pdserve.launchers.child.ChildProcess) or a Ray actor (pdserve.launchers.ray.handles)."""
 
-    pid: int
+    @property
+    def where(self) -> str:
+        """Where it runs, for logs: "pid 1234", "Ray actor default-decode-0 (node 10.0.0.2)"."""
+        ...
 
     def poll(self) -> int | None: ...
     def is_ready(self) -> bool: ...
@@ -135,7 +139,7 @@ class Supervisor:
             return
         if not slot.ready and slot.process.is_ready():
             slot.ready = slot.ever_ready = True
-            logger.info("worker %s (pid %d) is serving after %.1f s", slot.worker_id, slot.process.pid,
+            logger.info("worker %s (%s) is serving after %.1f s", slot.worker_id, slot.process.where,
                         now - slot.started_at)
         if slot.ready and slot.failures and now - slot.started_at >= BACKOFF_RESET_AFTER_S:
             slot.failures = 0
@@ -174,13 +178,20 @@ class Supervisor:
             return
         slot.draining_since = now
         slot.process.terminate()
-        logger.info("scaling down %s: worker %s (pid %d) drains, then exits", slot.spec.role, slot.worker_id,
-                    slot.process.pid)
+        logger.info("scaling down %s: worker %s (%s) drains, then exits", slot.spec.role, slot.worker_id,
+                    slot.process.where)
 
     def _start(self, slot: WorkerSlot, now: float) -> None:
+        """Launch the slot's process; a launch that raises counts as an exit (code 1), so it is
+        retried with the same backoff as a crash."""
         slot.restart_at, slot.ready, slot.started_at = None, False, now
-        slot.process = self._launch(slot.spec)
-        logger.info("started worker %s (pid %d)", slot.worker_id, slot.process.pid)
+        try:
+            slot.process = self._launch(slot.spec)
+        except Exception as exc:  # noqa: BLE001 — e.g. fork failed, Ray refused the actor
+            logger.error("starting worker %s failed: %s", slot.worker_id, exc)
+            self._exited(slot, 1, now)
+            return
+        logger.info("started worker %s (%s)", slot.worker_id, slot.process.where)
 
     def _free_id(self, role: str) -> str:
         used = {s.worker_id for s in self.slots}

@@ -5,6 +5,7 @@ One typed registry, SCALERS (name -> Scaler class, imported lazily), so the rout
 class takes (redis_url, cluster, secret) and implements router.ops.scaling.Scaler.
 
     local   the `pdserve up` supervisor (pdserve/launchers/local.py), through Redis
+    ray     the `pdserve up --launcher ray` supervisor (pdserve/launchers/ray/), through Redis
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ __all__ = ["SCALERS", "make_scaler"]
 
 SCALERS: Registry[type] = Registry("scaler")
 SCALERS.register("local", "pdserve.scalers.local:LocalScaler")
+SCALERS.register("ray", "pdserve.scalers.ray:RayScaler")
 
 
 def make_scaler(name: str, redis_url: str | None, cluster: str, secret: bytes | None):

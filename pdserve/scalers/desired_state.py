@@ -78,10 +78,11 @@ def text_map(data: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
             for k, v in data.items()}
 
 
-def status_fields(pid: int, restarts: Mapping[str, int], counts: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
-    """The status hash of a local supervisor. counts: role -> {"ready": n, "starting": n,
-    "draining": n}."""
-    out = {"kind": "local", "pid": str(pid), "updated_at": repr(time.time())}
+def status_fields(pid: int, restarts: Mapping[str, int], counts: Mapping[str, Mapping[str, int]],
+                  kind: str = "local") -> dict[str, str]:
+    """The status hash of a `pdserve up` supervisor. counts: role -> {"ready": n, "starting": n,
+    "draining": n}; kind: its launcher ("local", "ray"), which the scaler of that name checks."""
+    out = {"kind": kind, "pid": str(pid), "updated_at": repr(time.time())}
     for role in SCALABLE_ROLES:
         out[f"restarts:{role}"] = str(restarts.get(role, 0))
         for state, n in counts.get(role, {}).items():

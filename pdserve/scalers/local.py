@@ -1,10 +1,14 @@
-"""`local`: the router's Scaler for a cluster run by `pdserve up`.
+"""`local`: the router's Scaler for a cluster run by `pdserve up` (local processes).
 
 It talks to the supervisor only through Redis: scale() writes a signed desired count
 (desired_state.py), which the supervisor reconciles to within ~0.5 s; desired() reads the
 counts back with the supervisor's status hash. No status hash (it has a 5 s TTL, refreshed
 every loop) means no supervisor is alive: ScalerUnavailable, so a scale request is refused
-rather than recorded for nobody.
+rather than recorded for nobody. A supervisor of another kind (the status hash's `kind`: a
+`pdserve up --launcher ray` when this router was told `--scaler local`) is refused the same way.
+
+SupervisorScaler is that mechanism for any launcher whose supervisor is `pdserve up`'s
+reconcile loop; pdserve/scalers/ray.py is the other one.
 """
 
 from __future__ import annotations
@@ -22,17 +26,19 @@ REDIS_TIMEOUT_S = 2.0
 """Bound of each Redis round trip (the Scaler protocol's calls are bounded)."""
 
 
-class LocalScaler:
-    """Scaler over Redis for `pdserve up`'s supervisor. One per router; async, not
-    thread-safe (one event loop)."""
+class SupervisorScaler:
+    """Scaler over Redis for a `pdserve up` supervisor of kind `name`. One per router; async,
+    not thread-safe (one event loop)."""
 
     name = "local"
+    launcher = "pdserve up"
+    """How that supervisor is started, for the 503 that says none runs."""
 
     def __init__(self, redis_url: str | None, cluster: str, secret: bytes | None) -> None:
         if not redis_url:
-            raise ValueError("the local scaler needs --redis-url (the supervisor reads desired counts there)")
+            raise ValueError(f"the {self.name} scaler needs --redis-url (the supervisor reads desired counts there)")
         if not secret:
-            raise ValueError("the local scaler needs the cluster secret (it signs desired counts)")
+            raise ValueError(f"the {self.name} scaler needs the cluster secret (it signs desired counts)")
         from router.redis_settings import async_client  # credentials: from the environment
 
         self._redis = async_client(redis_url, socket_timeout=REDIS_TIMEOUT_S,
@@ -71,9 +77,13 @@ class LocalScaler:
 
         desired, status = await self._bounded(both())
         if not status:
-            raise ScalerUnavailable(f"no pdserve up supervisor is running for cluster {self._cluster!r} "
+            raise ScalerUnavailable(f"no {self.launcher} supervisor is running for cluster {self._cluster!r} "
                                     "(its status in Redis is absent or expired)")
-        return text_map(desired), text_map(status)
+        status = text_map(status)
+        if status.get("kind", "local") != self.name:
+            raise ScalerUnavailable(f"cluster {self._cluster!r} is supervised by a {status.get('kind')!r} launcher, "
+                                    f"not {self.name!r}: start the router with --scaler {status.get('kind')}")
+        return text_map(desired), status
 
     async def _bounded(self, call):
         from redis.exceptions import RedisError
@@ -91,6 +101,13 @@ class LocalScaler:
         except ValueError as exc:
             logger.warning("ignoring the %s entry in Redis: %s", role, exc)
             return None
+
+
+class LocalScaler(SupervisorScaler):
+    """`pdserve up` with local processes (pdserve/launchers/local.py)."""
+
+    name = "local"
+    launcher = "pdserve up"
 
 
 def _restarts(status: dict[str, str], role: str) -> int:

@@ -10,7 +10,6 @@ back by the supervisor. Tokens are compared with the offline engine's greedy tok
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -20,26 +19,17 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.e2e.cluster import RunningCluster, metric_by_label, start_cluster
-from tests.real_model import hf_tokenizer, prompt_token_ids
+from tests.e2e.cluster import start_cluster
+from tests.e2e.load import (assert_pools_empty, complete_all, decisions, delta, ensure_shape, fresh_prompts,
+                            stream_completion, wait_for_restart, worker_ids)
+from tests.real_model import prompt_token_ids
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 SHORT, LONG, KILLED = 16, 64, 400
 """max_tokens of the scale-up burst, of the streams scaled down under, of the streams killed."""
 MAX_REPLICAS = 4
 ARRIVAL_GAP_S = 0.25
-DECISIONS = "pdserve_routing_decisions_total"
-
-
-def fresh_prompts() -> list[list[int]]:
-    """16 of the test prompts behind a distinct first line: no worker holds any of their
-    blocks (the prefix hash chains from the first token), so routing is not pinned by the
-    prefix cache to the worker that served the same prompt earlier in the module."""
-    tok = hf_tokenizer()
-    return [tok(f"Note {i}.\n", add_special_tokens=False)["input_ids"] + list(ids)
-            for i, ids in enumerate(prompt_token_ids()[:16])]
 
 
 @dataclass(frozen=True)
@@ -90,84 +80,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-# ------------------------------------------------------------------ helpers
-@dataclass
-class StreamResult:
-    status: int
-    token_ids: list[int]
-    error: dict | str | None
-    """The in-band `error` object of the SSE stream, or the body of a non-200 answer."""
-    done: bool
-    """The stream ended with `data: [DONE]`."""
-    decode_id: str | None = None
-    """The decode worker the router placed it on (its x-pdserve-route header)."""
-
-
-async def stream_completion(client: httpx.AsyncClient, ids, max_tokens: int,
-                            first_token: asyncio.Event | None = None) -> StreamResult:
-    body = {"model": MODEL, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    result = StreamResult(0, [], None, False)
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        result.status = r.status_code
-        route = dict(part.split("=", 1) for part in r.headers.get("x-pdserve-route", "").split("; ") if "=" in part)
-        result.decode_id = route.get("decode")
-        if r.status_code != 200:
-            result.error = (await r.aread()).decode()
-            return result
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                result.done = True
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"]
-                continue
-            for choice in chunk["choices"]:
-                result.token_ids += choice.get("token_ids") or []
-            if result.token_ids and first_token is not None:
-                first_token.set()
-    return result
-
-
-async def complete_all(base_url: str, prompts, max_tokens: int) -> list[httpx.Response]:
-    """All prompts at once, non-streamed, greedy."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-        return await asyncio.gather(*(client.post("/v1/completions", json={
-            "model": MODEL, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}) for ids in prompts))
-
-
-def ensure_shape(cluster: RunningCluster, prefill: int, decode: int) -> dict[str, dict]:
-    """Bring the cluster to prefill+decode (no-op when it is there already)."""
-    roles = cluster.roles()
-    if (roles["prefill"]["desired"], roles["decode"]["desired"]) != (prefill, decode):
-        done = cluster.scale(prefill=prefill, decode=decode)
-        assert done.returncode == 0, done.stdout + done.stderr
-    return cluster.wait_for_roles(180, prefill=prefill, decode=decode)
-
-
-def worker_ids(roles: dict[str, dict], role: str) -> set[str]:
-    return {w["worker_id"] for w in roles[role]["workers"]}
-
-
-def decisions(cluster: RunningCluster, label: str) -> dict[str, float]:
-    return metric_by_label(cluster.metrics(), DECISIONS, label)
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
-
-
-def assert_pools_empty(cluster: RunningCluster, workers: set[str]) -> None:
-    pools = cluster.wait_for_empty_pools(timeout_s=30)
-    assert set(pools) == workers
-    assert {w: (free, reserved) for w, (total, free, reserved) in pools.items()} == \
-        {w: (total, 0.0) for w, (total, _, _) in pools.items()}, pools
 
 
 # ------------------------------------------------------------------ tests
@@ -280,18 +192,3 @@ def test_sigkilled_decode_worker_fails_its_streams_explicitly_and_is_restarted(c
     assert [r.status_code for r in responses] == [200] * len(prompts), [r.text for r in responses]
     assert [r.json()["choices"][0]["token_ids"] for r in responses] == reference.short[:6]
     assert_pools_empty(cluster, worker_ids(after, "prefill") | worker_ids(after, "decode"))
-
-
-def wait_for_restart(cluster: RunningCluster, victim: dict, restarts_before: int,
-                     timeout_s: float = 180) -> dict[str, dict]:
-    """Until the supervisor counted a decode restart and a new incarnation serves; bounded."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        roles = cluster.roles()
-        decode = roles["decode"]
-        fresh = [w for w in decode["workers"] if w["incarnation"] != victim["incarnation"]]
-        if decode["restarts"] > restarts_before and fresh and decode["ready"] == decode["desired"] == 1:
-            return cluster.wait_for_roles(60, prefill=1, decode=1)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no restarted decode worker in {timeout_s:.0f} s: {roles}")
-        time.sleep(0.5)

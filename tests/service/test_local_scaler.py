@@ -88,3 +88,30 @@ def test_the_store_ignores_unsigned_older_and_too_large_counts_and_rewrites_lost
     store.clear_status()
     assert redis.exists(scaler_status_key(CLUSTER)) == 0
     store.close()
+
+
+def test_each_scaler_acts_only_for_a_supervisor_of_its_own_launcher(redis_url):
+    from pdserve.scalers.ray import RayScaler
+
+    store = ScaleStore(redis_url, CLUSTER, SECRET, max_replicas=4)
+    store.set_initial({"decode": 1, "prefill": 1})
+    store.publish_status({"kind": "ray", "restarts:decode": "1", "restarts:prefill": "0"})
+
+    async def scale_with(scaler_class):
+        scaler = scaler_class(redis_url, CLUSTER, SECRET)
+        try:
+            return await scaler.scale("decode", 2)
+        finally:
+            await scaler.aclose()
+
+    with pytest.raises(ScalerUnavailable) as info:
+        run(scale_with(LocalScaler))
+    assert str(info.value) == ("cluster 'scaletest' is supervised by a 'ray' launcher, not 'local': "
+                               "start the router with --scaler ray")
+    assert store.read() == {"decode": 1, "prefill": 1}
+    assert run(scale_with(RayScaler)) == RoleScale("decode", 2, 1)
+    assert store.read() == {"decode": 2, "prefill": 1}
+    store.clear_status()
+    with pytest.raises(ScalerUnavailable, match="no pdserve up --launcher ray supervisor is running"):
+        run(scale_with(RayScaler))
+    store.close()

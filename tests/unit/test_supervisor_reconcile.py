@@ -13,6 +13,7 @@ class FakeProcess:
     def __init__(self, spec: WorkerSpec) -> None:
         FakeProcess.next_pid += 1
         self.pid, self.spec = FakeProcess.next_pid, spec
+        self.where = f"pid {self.pid}"
         self.code: int | None = None
         self.ready = False
         self.signals: list[str] = []
