@@ -49,6 +49,8 @@ SECRET_VARS = (CLUSTER_SECRET_ENV, USERNAME_ENV, PASSWORD_ENV, "PDSERVE_API_KEY"
 """What an actor gets of the driver's environment: the secrets, as values (a *_FILE path on
 this node means nothing on another)."""
 CONTROLLER = "controller"
+PLACEMENT_WARNING_S = 30.0
+"""A worker actor not placed after this long is reported (once), with what it needs."""
 NAME_RELEASE_S = 5.0
 """How long a new actor waits for Ray to release the name of its killed predecessor."""
 DOWN_TIMEOUT_S = 180.0
@@ -166,10 +168,25 @@ class RayCluster(LocalCluster):
     # ------------------------------------------------------------------ running
     def reconcile(self) -> None:
         super().reconcile()
+        self._warn_unplaced()
         if self.controller is not None and self._stop_requested():
             if self.signals.count == 0:
                 print("\npdserve up: `pdserve down` asked to stop (draining)", flush=True)
                 self.signals.count = 1
+
+    def _warn_unplaced(self) -> None:
+        """Say once per actor when Ray has not placed it within PLACEMENT_WARNING_S (no node has
+        its role's resources free): it stays `starting` until a node has them."""
+        now = time.monotonic()
+        for slot in self.supervisor.slots:
+            process = slot.process
+            if (isinstance(process, ActorProcess) and process.info is None and not process.warned
+                    and now - slot.started_at > PLACEMENT_WARNING_S and not process.placed()):
+                process.warned = True
+                free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+                logger.warning("worker %s has waited %.0f s for Ray to place it: it needs %s; free in the Ray "
+                               "cluster: %s", slot.worker_id, now - slot.started_at,
+                               self.placements[slot.spec.role].describe(), _resources_text(free))
 
     def _stop_requested(self) -> bool:
         try:
@@ -216,6 +233,11 @@ def _create(component: str, name: str, options: dict, argv: list[str], env: dict
             logger.warning("Ray still holds the actor name %s; killing the old incarnation", name)
             _kill_named(name)
     raise RuntimeError(f"the Ray actor name {name} stays taken")
+
+
+def _resources_text(resources: dict[str, float]) -> str:
+    shown = {k: v for k, v in resources.items() if k not in ("memory", "object_store_memory")}
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(shown.items())) or "nothing"
 
 
 def _kill_named(name: str) -> None:

@@ -15,6 +15,7 @@ import logging
 import signal
 
 import ray
+import ray.util.state
 from ray.exceptions import GetTimeoutError, RayActorError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class ActorProcess:
         self._ready = handle.wait_ready.remote()
         self._info: dict[str, object] | None = None
         self._code: int | None = None
+        self.warned = False
+        """The launcher has reported that Ray has not placed it yet."""
 
     @property
     def pid(self) -> int:
@@ -49,6 +52,15 @@ class ActorProcess:
     def info(self) -> dict[str, object] | None:
         """wait_ready()'s answer once serving: address, node, pid, ports."""
         return self._info
+
+    def placed(self) -> bool:
+        """Ray has placed the actor (its process exists), whether or not it serves yet. Asks
+        Ray's GCS (bounded); True when the answer does not come, so nothing is reported wrongly."""
+        try:
+            state = ray.util.state.get_actor(self.handle._actor_id.hex(), timeout=5)  # noqa: SLF001
+        except Exception:  # noqa: BLE001 — no state API (no dashboard): assume placed
+            return True
+        return state is None or state.state != "PENDING_CREATION"
 
     def poll(self) -> int | None:
         """The exit code once run() has returned or the actor died; never blocks. The actor is
@@ -85,8 +97,13 @@ class ActorProcess:
         return self._info is not None
 
     def terminate(self) -> None:
-        """Drain, as SIGTERM does to a local worker (fire and forget)."""
-        self.handle.drain.remote(False)
+        """Drain, as SIGTERM does to a local worker (fire and forget). An actor not serving yet
+        (unplaced, or loading its model) has nothing to drain and is removed at once, as SIGTERM
+        ends a local worker that has not installed its drain handler yet."""
+        if self.is_ready():
+            self.handle.drain.remote(False)
+        else:
+            self.kill()
 
     def kill(self) -> None:
         try:
