@@ -64,3 +64,16 @@ def test_workers_bind_loopback_on_a_local_instance_and_their_node_address_on_an_
 def test_down_defaults_to_the_ray_cluster_this_node_belongs_to():
     args = build_parser().parse_args(["down"])
     assert (args.launcher, args.ray_address, args.cluster, args.timeout) == ("ray", "auto", "default", 180.0)
+
+
+@pytest.mark.parametrize("command", [["up", "--launcher", "ray"], ["down"]])
+def test_without_ray_installed_the_ray_commands_name_the_extra_in_one_line(command):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['ray'] = None; from pdserve.cli import main; "
+            f"raise SystemExit(main({command!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "Ray is not installed" in out.stderr and "pip install 'pdserve[ray]'" in out.stderr
+    assert "Traceback" not in out.stderr
