@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from dataclasses import replace
@@ -110,6 +111,8 @@ class RayCluster(LocalCluster):
 
     def _connect(self) -> None:
         address = self.args.ray_address
+        if not sys.stdout.isatty():  # a log file: Ray's actor prefixes without terminal colours
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         try:
             context = ray.init(address=address, namespace=self.namespace, log_to_driver=True,
                                include_dashboard=None if address else True,
