@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -50,7 +49,7 @@ def usage(msg) -> tuple[int, int, int]:
     return msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens
 
 
-def test_grpc_usage_counts_prompt_completion_and_cached_tokens(cluster: Path):
+def test_grpc_usage_counts_prompt_completion_and_cached_tokens(cluster: RunningCluster):
     prompt = smollm2_tokenizer().encode(TEXT)
     assert len(prompt) == 40
     cached_when_repeated = (len(prompt) // BLOCK_SIZE) * BLOCK_SIZE
