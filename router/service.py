@@ -143,9 +143,9 @@ class RouterService:
     def model_card(self) -> ModelCard:
         return ModelCard(self.model_name, self._created, self._model_root, self.max_model_len)
 
-    # `cached_tokens`: count prompt tokens served from a prefix cache in the usage even when
-    # --enable-prompt-tokens-details is off (the gRPC Usage message always has the field; over
-    # HTTP vLLM shows prompt_tokens_details only with that flag).
+    # The four generation methods below take `cached_tokens`: count the prompt tokens served
+    # from a prefix cache in the usage even when --enable-prompt-tokens-details is off. The
+    # gRPC Usage message always has the field; over HTTP vLLM shows it only with that flag.
 
     async def complete(
         self, req: CompletionRequest, request_id: str, *, cached_tokens: bool = False
