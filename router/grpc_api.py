@@ -198,10 +198,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if stream.head.route:
             await context.send_initial_metadata(((ROUTE_METADATA, stream.head.route),))
         try:
-            async for out in _stream_messages(stream, request_id):
-                if isinstance(out, StreamFailure):
-                    await abort(context, out.error)
-                yield out
+            async with contextlib.aclosing(_stream_messages(stream, request_id)) as messages:
+                async for out in messages:
+                    if isinstance(out, StreamFailure):
+                        await abort(context, out.error)
+                    yield out
         finally:
             await stream.aclose()
 

@@ -99,3 +99,22 @@ def test_http_usage_still_hides_cached_tokens_without_the_details_flag():
     response = call(app, "POST", "/v1/completions", json={"prompt": "Hello world", "max_tokens": 4})
     assert response.json()["usage"] == {"prompt_tokens": 2, "total_tokens": 6, "completion_tokens": 4,
                                         "prompt_tokens_details": None}
+
+
+def test_a_stream_failing_after_its_start_ends_with_the_error_not_with_usage():
+    from router.errors import WorkerFailure
+
+    async def check(stub):
+        got = []
+        try:
+            async for m in stub.GenerateStream(HELLO):
+                got.append(m)
+        except grpc.aio.AioRpcError as exc:
+            return got, exc.code(), exc.details()
+        return got, grpc.StatusCode.OK, ""
+
+    steps = token_steps(PARIS)
+    got, code, details = serve([*steps[:2], WorkerFailure("decode-0 went away")], check)
+    assert [list(m.token_ids) for m in got] == [[PARIS[0]], [PARIS[1]]]
+    assert not any(m.HasField("usage") for m in got)
+    assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "decode-0 went away")
