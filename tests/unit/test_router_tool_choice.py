@@ -62,6 +62,12 @@ def test_chat_asking_for_tool_calls_without_a_parser_is_a_400_saying_so(fields, 
     assert backend.requests == []
 
 
+def test_a_streamed_chat_with_tools_is_refused_before_the_stream_starts():
+    response, backend = post_chat(tools=[WEATHER], stream=True)
+    assert (response.status_code, response.json()) == (400, error(AUTO_REFUSED, "tool_choice"))
+    assert backend.requests == []
+
+
 def test_tools_with_tool_choice_none_are_served_as_vllm_does():
     response, backend = post_chat(tools=[WEATHER], tool_choice="none")
     assert response.status_code == 200, response.text
