@@ -28,9 +28,15 @@ from router.grpc_guards import AdminInterceptor, FrontDoorInterceptor, abort
 from router.ops.access import AdminAccess
 from router.ops.admin_grpc import ADMIN_METHODS, ADMIN_SERVICE_NAME, AdminServicer
 from router.ops.roles import RolesApi
-from router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeCompletionRequest
+from router.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+    TokenizeCompletionRequest,
+)
 from router.readiness import Readiness
-from router.results import ChoiceUpdate, StreamFailure, UsageReport
+from router.results import ChoiceUpdate, StreamFailure, Usage, UsageReport
 from router.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -74,6 +80,47 @@ def _logprobs_out(positions) -> list[common_pb2.TokenLogprobs]:
     ]
 
 
+def _usage_out(usage: Usage) -> generation_pb2.Usage:
+    return generation_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                                cached_tokens=usage.cached_tokens or 0)
+
+
+async def _stream_messages(stream, request_id: str):
+    """The stream's messages, then a StreamFailure if it failed. A completion's last message
+    (the one with finish_reason) waits for the next event, so that the request's final message
+    carries both its finish_reason and the usage, as the proto says."""
+    path = stream.head.path or ""
+    held = None
+    async for event in stream:
+        if isinstance(event, UsageReport):
+            final = held or generation_pb2.GenerateStreamResponse(request_id=request_id, path=path)
+            final.usage.CopyFrom(_usage_out(event.usage))
+            held = None
+            yield final
+            continue
+        if held is not None:
+            yield held
+            held = None
+        if isinstance(event, StreamFailure):
+            yield event
+            return
+        out = _delta_out(event, request_id, path)
+        if event.finish_reason is None:
+            yield out
+        else:
+            held = out
+    if held is not None:
+        yield held
+
+
+def _delta_out(event: ChoiceUpdate, request_id: str, path: str) -> generation_pb2.GenerateStreamResponse:
+    out = generation_pb2.GenerateStreamResponse(
+        request_id=request_id, index=event.index, text=event.text, token_ids=list(event.token_ids),
+        logprobs=_logprobs_out(event.logprobs), finish_reason=event.finish_reason or "", path=path)
+    _set_stop_reason(out, event.stop_reason)
+    return out
+
+
 def _set_stop_reason(msg, stop_reason) -> None:
     if isinstance(stop_reason, str):
         msg.stop_string = stop_reason
@@ -98,6 +145,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _start(self, msg: generation_pb2.GenerateRequest, request_id: str, stream: bool):
         fields = _sampling_fields(msg)
+        if stream:
+            # The proto promises usage on every stream's final message: ask for it as an OpenAI
+            # client would (stream_options.include_usage).
+            fields.update(stream=True, stream_options=StreamOptions(include_usage=True))
         which = msg.WhichOneof("prompt")
         s = msg.sampling
         if which == "chat":
@@ -105,7 +156,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 messages=[ChatMessage(role=m.role, content=m.content) for m in msg.chat.messages],
                 logprobs=s.HasField("logprobs"), top_logprobs=s.logprobs if s.HasField("logprobs") else 0,
                 **fields)
-            return await (self.service.stream_chat if stream else self.service.chat)(req, request_id)
+            call = self.service.stream_chat if stream else self.service.chat
+            return await call(req, request_id, cached_tokens=True)
         if which == "text":
             prompt = msg.text
         elif which == "token_ids":
@@ -113,7 +165,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             raise InvalidRequest("GenerateRequest needs a prompt: text, token_ids or chat", param="prompt")
         req = CompletionRequest(prompt=prompt, logprobs=s.logprobs if s.HasField("logprobs") else None, **fields)
-        return await (self.service.stream_complete if stream else self.service.complete)(req, request_id)
+        call = self.service.stream_complete if stream else self.service.complete
+        return await call(req, request_id, cached_tokens=True)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         request_id = self._request_id(request)
@@ -126,10 +179,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if result.head.route:
             context.set_trailing_metadata(((ROUTE_METADATA, result.head.route),))
         reply = generation_pb2.GenerateResponse(
-            request_id=request_id, path=result.head.path or "",
-            usage=generation_pb2.Usage(prompt_tokens=result.usage.prompt_tokens,
-                                       completion_tokens=result.usage.completion_tokens,
-                                       cached_tokens=result.usage.cached_tokens or 0))
+            request_id=request_id, path=result.head.path or "", usage=_usage_out(result.usage))
         for choice in result.choices:
             c = reply.completions.add(index=choice.index, text=choice.text, token_ids=list(choice.token_ids),
                                       finish_reason=choice.finish_reason or "",
@@ -148,22 +198,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if stream.head.route:
             await context.send_initial_metadata(((ROUTE_METADATA, stream.head.route),))
         try:
-            async for event in stream:
-                if isinstance(event, ChoiceUpdate):
-                    out = generation_pb2.GenerateStreamResponse(
-                        request_id=request_id, index=event.index, text=event.text,
-                        token_ids=list(event.token_ids), logprobs=_logprobs_out(event.logprobs),
-                        finish_reason=event.finish_reason or "", path=stream.head.path or "")
-                    _set_stop_reason(out, event.stop_reason)
+            async with contextlib.aclosing(_stream_messages(stream, request_id)) as messages:
+                async for out in messages:
+                    if isinstance(out, StreamFailure):
+                        await abort(context, out.error)
                     yield out
-                elif isinstance(event, UsageReport):
-                    yield generation_pb2.GenerateStreamResponse(
-                        request_id=request_id, usage=generation_pb2.Usage(
-                            prompt_tokens=event.usage.prompt_tokens,
-                            completion_tokens=event.usage.completion_tokens,
-                            cached_tokens=event.usage.cached_tokens or 0))
-                elif isinstance(event, StreamFailure):
-                    await abort(context, event.error)
         finally:
             await stream.aclose()
 

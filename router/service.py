@@ -143,21 +143,33 @@ class RouterService:
     def model_card(self) -> ModelCard:
         return ModelCard(self.model_name, self._created, self._model_root, self.max_model_len)
 
-    async def complete(self, req: CompletionRequest, request_id: str) -> CompletionResult:
+    # The four generation methods below take `cached_tokens`: count the prompt tokens served
+    # from a prefix cache in the usage even when --enable-prompt-tokens-details is off. The
+    # gRPC Usage message always has the field; over HTTP vLLM shows it only with that flag.
+
+    async def complete(
+        self, req: CompletionRequest, request_id: str, *, cached_tokens: bool = False
+    ) -> CompletionResult:
         """A whole completion. Raises RouterError (InvalidRequest, ModelNotFound, backend's)."""
-        return await drain(await self._completion_run(req, request_id))
+        return await drain(await self._completion_run(req, request_id, cached_tokens))
 
-    async def stream_complete(self, req: CompletionRequest, request_id: str) -> ResponseStream:
+    async def stream_complete(
+        self, req: CompletionRequest, request_id: str, *, cached_tokens: bool = False
+    ) -> ResponseStream:
         """A started completion stream; raises RouterError if it fails before its first output."""
-        return await self._start_stream(await self._completion_run(req, request_id), req)
+        return await self._start_stream(await self._completion_run(req, request_id, cached_tokens), req)
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str) -> CompletionResult:
+    async def chat(
+        self, req: ChatCompletionRequest, request_id: str, *, cached_tokens: bool = False
+    ) -> CompletionResult:
         """A whole chat completion. Raises RouterError."""
-        return await drain(await self._chat_run(req, request_id))
+        return await drain(await self._chat_run(req, request_id, cached_tokens))
 
-    async def stream_chat(self, req: ChatCompletionRequest, request_id: str) -> ResponseStream:
+    async def stream_chat(
+        self, req: ChatCompletionRequest, request_id: str, *, cached_tokens: bool = False
+    ) -> ResponseStream:
         """A started chat stream; raises RouterError if it fails before its first output."""
-        return await self._start_stream(await self._chat_run(req, request_id), req)
+        return await self._start_stream(await self._chat_run(req, request_id, cached_tokens), req)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResult:
         """Token ids of a prompt or of a templated conversation. Raises RouterError."""
@@ -187,31 +199,41 @@ class RouterService:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._cpu, functools.partial(fn, *args))
 
-    async def _completion_run(self, req: CompletionRequest, request_id: str) -> GenerationRun:
+    async def _completion_run(
+        self, req: CompletionRequest, request_id: str, cached_tokens: bool
+    ) -> GenerationRun:
         check_model(req.model, self.model_name)
         refuse_unsupported(req)
         check_limits(req, num_completion_prompts(req), self._limits)
-        plan = await self._off_loop(self._completion_plan, req, request_id)
+        plan = await self._off_loop(self._completion_plan, req, request_id, cached_tokens)
         return self._run(request_id, plan)
 
-    def _completion_plan(self, req: CompletionRequest, request_id: str) -> GenerationPlan:
+    def _completion_plan(
+        self, req: CompletionRequest, request_id: str, cached_tokens: bool
+    ) -> GenerationPlan:
         logprobs = completion_logprobs(req)
         prompts = completion_prompts(req, self._tokenizer)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             check_context_length(len(prompt.token_ids), max_tokens, self.max_model_len)
         params = sampling_params(req, max_tokens, logprobs)
-        return self._plan(f"cmpl-{request_id}", req, prompts, (params,) * len(prompts), req.echo)
+        return self._plan(
+            f"cmpl-{request_id}", req, prompts, (params,) * len(prompts), req.echo, cached_tokens
+        )
 
-    async def _chat_run(self, req: ChatCompletionRequest, request_id: str) -> GenerationRun:
+    async def _chat_run(
+        self, req: ChatCompletionRequest, request_id: str, cached_tokens: bool
+    ) -> GenerationRun:
         check_model(req.model, self.model_name)
         refuse_unsupported(req)
         check_chat_options(req)
         check_limits(req, 1, self._limits)
-        plan = await self._off_loop(self._chat_plan, req, request_id)
+        plan = await self._off_loop(self._chat_plan, req, request_id, cached_tokens)
         return self._run(request_id, plan)
 
-    def _chat_plan(self, req: ChatCompletionRequest, request_id: str) -> GenerationPlan:
+    def _chat_plan(
+        self, req: ChatCompletionRequest, request_id: str, cached_tokens: bool
+    ) -> GenerationPlan:
         logprobs = chat_logprobs(req)
         prompt = chat_prompt(req, self._tokenizer)
         max_tokens = chat_max_tokens(req)
@@ -219,7 +241,9 @@ class RouterService:
         if max_tokens is None:  # vLLM: whatever room the context leaves
             max_tokens = self.max_model_len - len(prompt.token_ids)
         params = sampling_params(req, max_tokens, logprobs)
-        return self._plan(f"chatcmpl-{request_id}", req, (prompt,), (params,))
+        return self._plan(
+            f"chatcmpl-{request_id}", req, (prompt,), (params,), cached_tokens=cached_tokens
+        )
 
     def _plan(
         self,
@@ -228,6 +252,7 @@ class RouterService:
         prompts: tuple[Prompt, ...],
         params: tuple[SamplingParams, ...],
         echo: bool | None = False,
+        cached_tokens: bool = False,
     ) -> GenerationPlan:
         options = req.stream_options
         include_usage = bool(req.stream and options and options.include_usage)
@@ -239,7 +264,7 @@ class RouterService:
             params=params,
             echo=bool(echo),
             continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
-            prompt_tokens_details=self._prompt_tokens_details,
+            prompt_tokens_details=self._prompt_tokens_details or cached_tokens,
         )
 
     def _run(self, client_request_id: str, plan: GenerationPlan) -> GenerationRun:

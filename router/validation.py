@@ -233,13 +233,73 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
 
 def check_chat_options(req: ChatCompletionRequest) -> None:
     """Raises InvalidRequest for chat options the router does not implement."""
+    if not req.messages:
+        raise InvalidRequest(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got "
+            "an empty array instead.",
+            param="messages",
+        )
     if req.echo:
         raise InvalidRequest("echo is not supported for chat completions", param="echo")
-    choice = req.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
+    check_tool_choice(req)
+
+
+AUTO_TOOL_CHOICE_REFUSED = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
+"""vLLM's exact words (clients match them to fall back to plain chat); pdserve then says why."""
+
+
+def effective_tool_choice(req: ChatCompletionRequest) -> Any:
+    """tool_choice as vLLM reads it: "auto" when tools are sent without one, "none" when
+    "required" comes with an empty tools list (OpenAI's behaviour)."""
+    if "tool_choice" not in req.model_fields_set:
+        return "auto" if req.tools else "none"
+    if req.tool_choice == "required" and req.tools == []:
+        return "none"
+    return req.tool_choice
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    """Refuses, as vLLM does without a tool-call parser, every request that asks for tool calls:
+    a 200 that silently ignored the tools would look like a model that never calls them.
+    tool_choice "none" (tools only shown to the template) is served."""
+    choice = effective_tool_choice(req)
+    if choice is None or choice == "none":
+        return
+    if req.tools is None:
+        raise InvalidRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if choice == "auto":
         raise InvalidRequest(
-            "tool_choice 'required' or a named function is not supported: this server does "
-            "not parse tool calls",
+            f"{AUTO_TOOL_CHOICE_REFUSED} (pdserve has no tool-call parser yet: leave out `tools`, "
+            'or send tool_choice "none")',
+            param="tool_choice",
+        )
+    if choice != "required":
+        _check_named_tool(choice.function, req.tools)
+    raise InvalidRequest(
+        'tool_choice "required" or a named function needs structured outputs to force the '
+        'call, which pdserve does not have yet: leave out `tools`, or send tool_choice "none"',
+        param="tool_choice",
+    )
+
+
+def _check_named_tool(function: dict[str, Any], tools: list) -> None:
+    """vLLM's checks of a named tool_choice, with its messages."""
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    name = function.get("name")
+    if "name" not in function:
+        raise InvalidRequest(
+            f"Expected field `name` in `function` in `tool_choice`! {usage}", param="tool_choice"
+        )
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+            param="tool_choice",
+        )
+    if all(tool.function.name != name for tool in tools):
+        raise InvalidRequest(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
             param="tool_choice",
         )
 

@@ -5,7 +5,8 @@ several tokens), and decoding a token alone can lose a leading space (SentencePi
 vLLM, each step decodes a short window twice: the already-emitted tokens
 `ids[prefix_offset:read_offset]` and the same window plus the new tokens `ids[prefix_offset:]`.
 The difference is the new text. When it ends in U+FFFD (an unfinished character), nothing is
-emitted and the offsets stay, so the next token completes the character.
+emitted and the offsets stay, so the next token completes the character; if none does (the
+request ends), the unfinished character is dropped, never emitted as U+FFFD.
 """
 
 from __future__ import annotations
@@ -65,13 +66,20 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Emit whatever is held back (an unfinished character comes out as U+FFFD).
+        """Emit what is held back when generation ends, unless it ends in U+FFFD.
 
+        Held-back text ends in U+FFFD when the last tokens stopped inside a character
+        (max_tokens or a stop cut it): it is dropped, so text never ends in a replacement
+        character that the model did not write. vLLM emits nothing at the end either; as there,
+        a genuine U+FFFD that is the very last character cannot be told from a cut one and goes
+        too (in the middle of the text it is emitted once the next token follows).
         Call once when generation ends; mutates this detokenizer.
         """
         prefix_text, new_text = self._decode_window()
         self._prefix_offset = self._read_offset = len(self._ids)
         delta = new_text[len(prefix_text) :]
+        if delta.endswith(_REPLACEMENT_CHAR):
+            delta = ""
         self._text_parts.append(delta)
         return delta
 

@@ -67,10 +67,61 @@ def test_openai_client_chats_streaming_and_not(cluster):
     reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
                                            max_tokens=24, temperature=0)
     assert "Paris" in reply.choices[0].message.content
-    chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                            max_tokens=24, temperature=0, stream=True)
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                                 max_tokens=24, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == reply.choices[0].message.content
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_openai_client_completes_streaming_and_not_with_the_offline_engines_tokens(cluster, reference):
+    from openai import OpenAI
+
+    want_tokens, _ = reference
+    prompt = list(prompt_token_ids()[0])
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", timeout=120)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body=extra)
+    chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body=extra))
+    assert reply.choices[0].token_ids == want_tokens[0]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
+    assert sum((c.choices[0].token_ids for c in chunks if c.choices), []) == want_tokens[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(prompt), MAX_TOKENS)
+
+
+def test_grpc_reflection_client_streams_and_reads_usage(cluster, reference):
+    """A client with no generated stubs: the service and its messages come from reflection."""
+    from google.protobuf import json_format, message_factory
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    want_tokens, _ = reference
+    prompt = list(prompt_token_ids()[1])
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "pdserve.v1.Generation" in database.get_services()
+        method = DescriptorPool(database).FindServiceByName("pdserve.v1.Generation").FindMethodByName("GenerateStream")
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        reply_cls = message_factory.GetMessageClass(method.output_type)
+        request = json_format.ParseDict({"token_ids": {"ids": prompt}, "sampling": {
+            "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}}, request_cls())
+        call = channel.unary_stream("/pdserve.v1.Generation/GenerateStream",
+                                    request_serializer=request_cls.SerializeToString,
+                                    response_deserializer=reply_cls.FromString)
+        replies = list(call(request, timeout=120))
+    assert sum((list(r.token_ids) for r in replies), []) == want_tokens[1]
+    final = replies[-1]
+    assert final.finish_reason == "length"
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
+    assert [r.HasField("usage") for r in replies[:-1]] == [False] * (len(replies) - 1)
 
 
 def test_concurrent_greedy_requests_match_the_offline_engine(cluster, reference):

@@ -91,6 +91,21 @@ def test_openai_client_sees_vllms_errors():
     }
 
 
+def test_openai_client_sending_tools_gets_vllms_bad_request_without_a_parser():
+    app, backend = make_app(token_steps(PARIS), api_key=KEY)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=[tool])
+        with pytest.raises(openai.BadRequestError) as empty:
+            client.chat.completions.create(model=MODEL, messages=[])
+    assert refused.value.body["message"].startswith(
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    assert (refused.value.body["param"], empty.value.body["param"]) == ("tool_choice", "messages")
+    assert backend.requests == []
+
+
 def test_closing_a_stream_over_tcp_aborts_the_backend_request():
     app, backend = make_app(token_steps(PARIS), hold_after=2)
     body = {"prompt": "Hello", "max_tokens": 6, "stream": True}

@@ -70,11 +70,36 @@ def test_ids_ending_mid_character_hold_the_character_back(tok, chat_prompt):
     assert detok.add(GRINNING[2:]) == "\U0001F600"
 
 
-def test_flush_emits_an_unfinished_character_as_replacement_char(tok, chat_prompt):
+def test_flush_drops_an_unfinished_character_instead_of_a_replacement_char(tok, chat_prompt):
     detok = IncrementalDetokenizer(tok, chat_prompt)
-    assert detok.add(GRINNING[:1]) == ""
-    assert detok.flush() == "\ufffd"
-    assert detok.text == "\ufffd"
+    assert detok.add(tok.encode("ok") + GRINNING[:2]) == "ok"
+    assert detok.flush() == ""
+    assert detok.text == "ok"
+
+
+def test_flush_drops_a_cut_cjk_character_with_the_space_its_token_carried(tok, chat_prompt):
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert stream(detok, SPACE_NIHON[:3]) == ["", "", " 日"]
+    assert (detok.flush(), detok.text) == ("", " 日")
+    held = IncrementalDetokenizer(tok, chat_prompt)
+    assert held.add(SPACE_NIHON[:1]) == ""  # " \ufffd": a space and half a character
+    assert (held.flush(), held.text) == ("", "")
+
+
+def test_a_genuine_replacement_char_mid_text_is_kept(tok, chat_prompt):
+    ids = tok.encode("a\ufffdb")
+    assert ids == [81, 24211, 82]
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert stream(detok, ids) == ["a", "", "\ufffdb"]
+    assert (detok.flush(), detok.text) == ("", "a\ufffdb")
+
+
+def test_a_genuine_replacement_char_as_the_last_character_goes_as_in_vllm(tok, chat_prompt):
+    # vLLM holds back any text ending in U+FFFD and emits nothing at the end: a real one in
+    # last place cannot be told from a cut character by decoding.
+    detok = IncrementalDetokenizer(tok, chat_prompt)
+    assert stream(detok, tok.encode("a\ufffd")) == ["a", ""]
+    assert (detok.flush(), detok.text) == ("", "a")
 
 
 def test_empty_prompt_is_allowed(tok):

@@ -199,6 +199,7 @@ def test_continue_final_message_leaves_the_assistant_turn_open():
     assert prompt.text.endswith("<|im_start|>assistant\nHello! How")
 
 
-def test_required_tool_choice_is_refused_and_auto_is_accepted():
-    check_chat_options(chat(tool_choice="auto"))
+def test_required_tool_choice_is_refused_and_none_is_accepted():
+    check_chat_options(chat(tool_choice="none"))
+    check_chat_options(chat())
     assert invalid(check_chat_options, chat(tool_choice="required")).param == "tool_choice"
