@@ -129,6 +129,16 @@ class WorkerInfo:
     state: WorkerState = "serving"
     """"serving", or "draining": finishing its in-flight requests before it exits; routers
     send a draining worker no new work (worker_runtime.status.WorkerState names them all)."""
+    # Counters since the worker's start (its incarnation): the router's /metrics and its cluster
+    # stats line are built from them. Optional: a worker of an earlier release writes none (0).
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the worker's prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found there."""
+    prompt_tokens: int = 0
+    """Prompt tokens the worker computed."""
+    generation_tokens: int = 0
+    """Tokens the worker sampled."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -204,6 +214,7 @@ class WorkerInfo:
         return cls(**values)  # type: ignore[arg-type]
 
 
+_COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
 _INT_FIELDS = frozenset(
     {
         "block_size",
@@ -215,10 +226,14 @@ _INT_FIELDS = frozenset(
         "num_waiting",
         "queued_prefill_tokens",
         "max_model_len",
+        *_COUNTER_FIELDS,
     }
 )
 _FLOAT_FIELDS = frozenset({"updated_at"})
-_OPTIONAL_FIELDS = frozenset({"state"})
+_OPTIONAL_FIELDS = frozenset({"state", *_COUNTER_FIELDS})
+_SIGNED_WHEN_PRESENT = frozenset(_COUNTER_FIELDS)
+"""Fields added after signing began: signed only when the hash holds them, so the heartbeat of a
+worker of an earlier release (which writes and signs none of them) still verifies."""
 
 
 def _text(value: bytes | str) -> str:
@@ -279,6 +294,8 @@ def _signed_parts(cluster: str, text: Mapping[str, str]) -> list[str]:
     # breaks the signature. Fields a newer worker may add are neither signed nor read.
     parts = [_SIGNATURE_DOMAIN, cluster]
     for f in fields(WorkerInfo):
+        if f.name in _SIGNED_WHEN_PRESENT and f.name not in text:
+            continue
         parts += [f.name, text.get(f.name, "")]
     return parts
 

@@ -70,6 +70,10 @@ def test_to_hash_writes_every_field_as_a_string():
         "max_model_len": "8192",
         "updated_at": "1718000000.123456",
         "state": "serving",
+        "prefix_cache_queries": "0",
+        "prefix_cache_hits": "0",
+        "prompt_tokens": "0",
+        "generation_tokens": "0",
     }
 
 
@@ -167,7 +171,8 @@ def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
 @pytest.mark.parametrize(
     "field, value",
     [("address", "10.0.0.66:50051"), ("role", "prefill"), ("worker_id", "decode-1"),
-     ("incarnation", "ffffff"), ("updated_at", "1718009999.0"), ("free_blocks", "1024")],
+     ("incarnation", "ffffff"), ("updated_at", "1718009999.0"), ("free_blocks", "1024"),
+     ("prefix_cache_hits", "7"), ("generation_tokens", "99")],
 )  # fmt: skip
 def test_changing_any_signed_field_breaks_the_signature(field, value):
     stored = signed_hash(make_worker(), "prod", SECRET)
@@ -190,3 +195,27 @@ def test_without_a_secret_any_parsable_heartbeat_is_taken():
     info = make_worker()
     assert verified_info(info.to_hash(), "prod", None) == info
     assert verified_info(signed_hash(info, "prod", SECRET), "prod", None) == info
+
+
+def test_a_heartbeat_without_the_token_counters_verifies_and_reads_them_as_zero():
+    """A worker of the release before the counters signs and writes none of them."""
+    from router.cluster_keys import _signed_parts
+    from proto.auth import sign
+
+    info = make_worker()
+    counters = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
+    text = {k: v for k, v in info.to_hash().items() if k not in counters}
+    text[SIGNATURE_FIELD] = sign(SECRET, *_signed_parts("prod", text))
+    parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
+    assert parsed == info
+    assert [getattr(parsed, name) for name in counters] == [0, 0, 0, 0]
+
+
+def test_token_counters_round_trip_through_a_signed_heartbeat():
+    import dataclasses
+
+    info = dataclasses.replace(make_worker(), prefix_cache_queries=320, prefix_cache_hits=128,
+                               prompt_tokens=192, generation_tokens=45)
+    parsed = verified_info(as_redis_bytes(signed_hash(info, "prod", SECRET)), "prod", SECRET)
+    assert (parsed.prefix_cache_queries, parsed.prefix_cache_hits, parsed.prompt_tokens,
+            parsed.generation_tokens) == (320, 128, 192, 45)
