@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.limits import grpc_message_options
-from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics
+from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics, served_model_name
 from worker_runtime.roles import role_def
 from worker_runtime.status import DrainResult, WorkerState, WorkerStatus
 
@@ -188,8 +188,10 @@ class WorkerProcess:
         return self.role.make_servicer(self.worker, self.address, self.request_drain)
 
     def _start_metrics(self) -> None:
-        labels = {"role": self.spec.role, "worker_id": self.worker.worker_id}
-        collector = WorkerCollector(self.status, capacity_metrics(self.worker.core, labels))
+        core = self.worker.core
+        model_name = served_model_name(core.config, core.model_path)
+        labels = {"model_name": model_name, "role": self.spec.role, "worker_id": self.worker.worker_id}
+        collector = WorkerCollector(self.status, capacity_metrics(core, labels), model_name)
         self._metrics_server, self.metrics_port = serve_metrics(collector, self.spec.host, self.spec.metrics_port)
 
     def _start_publishers(self) -> None:
