@@ -33,6 +33,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
     add_admin_args(parser.add_argument_group("roles, scaling and admin"))
+    from pdserve.logs import add_log_args
+
+    add_log_args(parser.add_argument_group("logging"))
 
 
 ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "local_prefill_min_queue",
@@ -300,11 +303,15 @@ async def serve_router(args: argparse.Namespace) -> None:
                 args.host, http_port, args.host, grpc_port)
     if args.ready_file:
         Path(args.ready_file).write_text(f"{http_port} {grpc_port}\n")
+    stats_task = start_cluster_stats(args, reader, backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if stats_task is not None:
+        stats_task.cancel()
+        await asyncio.gather(stats_task, return_exceptions=True)
     server.should_exit = True
     await http_task
     await grpc_door.stop(grace=2)
@@ -312,6 +319,16 @@ async def serve_router(args: argparse.Namespace) -> None:
     if backend.kv_reader is not None:
         await backend.kv_reader.aclose()
     await reader.aclose()
+
+
+def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Task | None:
+    """The cluster stats line every --log-stats-interval seconds (None when 0)."""
+    from router.stats_log import run_cluster_stats
+
+    interval_s = getattr(args, "log_stats_interval", 0.0)
+    if interval_s <= 0:
+        return None
+    return asyncio.create_task(run_cluster_stats(reader.snapshot, backend, interval_s), name="cluster-stats")
 
 
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
