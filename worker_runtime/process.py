@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import replace
@@ -62,6 +63,7 @@ class WorkerProcess:
     def __init__(self, spec: WorkerSpec, secret: bytes) -> None:
         """secret: the cluster secret (callers prove it; it signs heartbeats and admits a
         prefill to a data channel). Raises KeyError for a role with no registry entry."""
+        self._created = time.monotonic()
         self.spec = spec
         self.role = role_def(spec.role)
         self._secret = secret
@@ -225,9 +227,11 @@ class WorkerProcess:
         if self.spec.ready_file:
             with open(self.spec.ready_file, "w") as f:
                 f.write(f"{port} {self.metrics_port}\n")
-        # A log line (not a print), so it is named and formatted like every other line of the worker.
-        logger.info("%s worker %s serving: gRPC %s, metrics http://%s:%d/metrics", self.spec.role,
-                    self.worker.worker_id, self.address, self.spec.host, self.metrics_port)
+        # The one start line (a supervisor does not repeat it): a log line, not a print, so it is
+        # named and formatted like every other line of the worker.
+        logger.info("%s worker %s serving: gRPC %s, metrics http://%s:%d/metrics (pid %d, started in %.1f s)",
+                    self.spec.role, self.worker.worker_id, self.address, self.spec.host, self.metrics_port,
+                    os.getpid(), time.monotonic() - self._created)
 
     async def _shutdown(self) -> None:
         """Stop in dependency order, each step bounded: calls first, then the Redis entries,
