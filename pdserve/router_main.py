@@ -290,7 +290,8 @@ async def serve_router(args: argparse.Namespace) -> None:
                                         max_message_bytes=args.max_request_bytes, readiness=ready,
                                         roles=roles, admin_access=admin_access)
     grpc_port = grpc_door.port
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    # log_config None: uvicorn's loggers propagate to ours (named, text or JSON), not a handler of its own
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", log_config=None)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we handle signals below
     http_task = asyncio.create_task(server.serve())
