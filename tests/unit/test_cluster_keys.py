@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from router.cluster_keys import (
+    COUNTERS_SIGNATURE_FIELD,
     SIGNATURE_FIELD,
     ClusterSnapshot,
     UnsignedEntry,
@@ -164,7 +165,7 @@ def as_redis_bytes(fields: dict[str, str]) -> dict[bytes, bytes]:
 def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
     info = make_worker()
     stored = signed_hash(info, "prod", SECRET)
-    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD}
+    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD, COUNTERS_SIGNATURE_FIELD}
     assert verified_info(as_redis_bytes(stored), "prod", SECRET) == info
 
 
@@ -177,7 +178,7 @@ def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
 def test_changing_any_signed_field_breaks_the_signature(field, value):
     stored = signed_hash(make_worker(), "prod", SECRET)
     stored[field] = value
-    with pytest.raises(UnsignedEntry, match="heartbeat signature does not verify"):
+    with pytest.raises(UnsignedEntry, match="signature does not verify"):  # the counters have their own
         verified_info(stored, "prod", SECRET)
 
 
@@ -199,16 +200,34 @@ def test_without_a_secret_any_parsable_heartbeat_is_taken():
 
 def test_a_heartbeat_without_the_token_counters_verifies_and_reads_them_as_zero():
     """A worker of the release before the counters signs and writes none of them."""
-    from router.cluster_keys import _signed_parts
-    from proto.auth import sign
-
     info = make_worker()
     counters = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
-    text = {k: v for k, v in info.to_hash().items() if k not in counters}
-    text[SIGNATURE_FIELD] = sign(SECRET, *_signed_parts("prod", text))
+    text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
+            if k not in counters and k != COUNTERS_SIGNATURE_FIELD}
     parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
     assert parsed == info
     assert [getattr(parsed, name) for name in counters] == [0, 0, 0, 0]
+
+
+def test_the_base_signature_is_the_previous_releases_so_an_older_router_takes_the_heartbeat():
+    """The previous release signed every field it knew (all but the counters), in order."""
+    import dataclasses
+
+    from proto.auth import verify
+
+    info = dataclasses.replace(make_worker(), prompt_tokens=5, generation_tokens=2)
+    stored = signed_hash(info, "prod", SECRET)
+    previous = [f.name for f in dataclasses.fields(WorkerInfo)][:16]
+    assert previous[-1] == "state"
+    parts = ["pdserve-heartbeat-v1", "prod"] + [part for name in previous for part in (name, stored[name])]
+    assert verify(SECRET, stored[SIGNATURE_FIELD], *parts)
+
+
+def test_counters_without_their_signature_are_refused():
+    stored = signed_hash(make_worker(), "prod", SECRET)
+    del stored[COUNTERS_SIGNATURE_FIELD]
+    with pytest.raises(UnsignedEntry, match="heartbeat counters signature does not verify"):
+        verified_info(stored, "prod", SECRET)
 
 
 def test_token_counters_round_trip_through_a_signed_heartbeat():
