@@ -8,6 +8,7 @@ import grpc
 
 from decode_worker.worker import DecodeDraining, DecodeWorker, StreamFailed
 from proto.convert import logprobs_to_proto, params_from_proto
+from proto.log_context import set_request_id
 from proto.limits import NO_ROOM_METADATA_KEY
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_runtime.status import WorkerStatus
@@ -38,6 +39,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.request_drain = request_drain
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        set_request_id(request.request_id)  # this call's log lines name the request (JSON logs)
         try:
             params = params_from_proto(request.sampling)
         except ValueError as exc:

@@ -168,7 +168,8 @@ class DecodeWorker:
             if self._state in (WorkerState.DRAINING, WorkerState.STOPPED):
                 return False
             self._state = WorkerState.DRAINING
-        logger.info("decode worker %s draining, %d in flight", self.worker_id, self.in_flight)
+        # debug: the process hosting the worker logs its drain (worker_runtime/process.py)
+        logger.debug("decode worker %s draining, %d in flight", self.worker_id, self.in_flight)
         return True
 
     async def drain(self, timeout_s: float) -> DrainResult:
@@ -182,8 +183,8 @@ class DecodeWorker:
         if not await wait_until_async(lambda: self.in_flight == 0, timeout_s):
             cut = await self._on_loop(lambda: self._cut(timeout_s))
         result = DrainResult(finished=max(before - cut, 0), aborted=cut, seconds=time.monotonic() - started)
-        logger.info("decode worker %s drained: %d finished, %d ended by the %g s timeout, %.2f s",
-                    self.worker_id, result.finished, result.aborted, timeout_s, result.seconds)
+        logger.debug("decode worker %s drained: %d finished, %d ended by the %g s timeout, %.2f s",
+                     self.worker_id, result.finished, result.aborted, timeout_s, result.seconds)
         return result
 
     def _refuse_if_draining(self) -> None:

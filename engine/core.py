@@ -66,6 +66,10 @@ class CoreStats:
     swap_blocks_total: int = 0
     """Blocks of the host swap pool (from --swap-space)."""
     swap_blocks_used: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens computed here since start (for throughput: the stats line, heartbeats)."""
+    generation_tokens: int = 0
+    """Tokens sampled here since start."""
 
 
 class EngineCore:
@@ -215,4 +219,6 @@ class EngineCore:
             num_swapped_in=s.stats.num_swapped_in,
             swap_blocks_total=s.swap.num_blocks,
             swap_blocks_used=s.swap.num_used_blocks,
+            prompt_tokens=s.stats.prompt_tokens,
+            generation_tokens=s.stats.generation_tokens,
         )

@@ -327,10 +327,13 @@ class Scheduler:
             request = self.requests.get(work.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted after the plan was made
+            before = request.num_computed_tokens
             request.num_computed_tokens += len(work.token_ids)
+            self.stats.prompt_tokens += max(min(request.num_computed_tokens, request.num_prompt_tokens) - before, 0)
             self.kv.cache_computed(request)
             if not work.sample:
                 continue
+            self.stats.generation_tokens += 1
             token = result.sampled_token_ids[work.request_id]
             request.output_token_ids.append(token)
             status, stop_reason = self._check_stop(request)

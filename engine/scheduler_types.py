@@ -105,3 +105,8 @@ class SchedulerStats:
     """Prompt tokens looked up in the prefix cache at admission."""
     prefix_cache_hits: int = 0
     """Of those, tokens found there."""
+    prompt_tokens: int = 0
+    """Prompt tokens computed by this engine's forward passes (prefix-cache hits and KV received
+    from another worker are not computed here, so not counted)."""
+    generation_tokens: int = 0
+    """Tokens sampled by this engine (a decode worker's first token comes from the prefill)."""

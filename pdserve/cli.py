@@ -4,7 +4,6 @@ supervised cluster of local processes; `scale` is the client of the router's rol
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pdserve.engine_args import ConfigFileError, add_config_arg, add_engine_args, config_file_argv, engine_config_from_args
@@ -150,6 +149,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
 
     add_launcher_args(up)
     add_routing_args(up.add_argument_group("routing and admission"))
+    from pdserve.logs import add_log_args
+
+    add_log_args(up.add_argument_group("logging"))
     add_engine_args(up)
 
 
@@ -226,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_command_line(parser, argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from pdserve.logs import component_of, configure_logging
+
+    try:
+        configure_logging(args.log_level, getattr(args, "log_format", "text"), *component_of(args))
+    except ValueError as exc:  # an unknown --log-level
+        parser.error(str(exc))
     return args.func(args, parser)

@@ -33,6 +33,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
     add_admin_args(parser.add_argument_group("roles, scaling and admin"))
+    from pdserve.logs import add_log_args
+
+    add_log_args(parser.add_argument_group("logging"))
 
 
 ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "local_prefill_min_queue",
@@ -290,7 +293,8 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
                                         max_message_bytes=args.max_request_bytes, readiness=ready,
                                         roles=roles, admin_access=admin_access)
     grpc_port = grpc_door.port
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    # log_config None: uvicorn's loggers propagate to ours (named, text or JSON), not a handler of its own
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", log_config=None)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we handle signals below
     http_task = asyncio.create_task(server.serve())
@@ -305,12 +309,16 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
         Path(args.ready_file).write_text(f"{http_port} {grpc_port}\n")
     if on_ready is not None:
         on_ready(http_port, grpc_port)
+    stats_task = start_cluster_stats(args, reader, backend)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if stats_task is not None:
+        stats_task.cancel()
+        await asyncio.gather(stats_task, return_exceptions=True)
     server.should_exit = True
     await http_task
     await grpc_door.stop(grace=2)
@@ -318,6 +326,16 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     if backend.kv_reader is not None:
         await backend.kv_reader.aclose()
     await reader.aclose()
+
+
+def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Task | None:
+    """The cluster stats line every --log-stats-interval seconds (None when 0)."""
+    from router.stats_log import run_cluster_stats
+
+    interval_s = getattr(args, "log_stats_interval", 0.0)
+    if interval_s <= 0:
+        return None
+    return asyncio.create_task(run_cluster_stats(reader.snapshot, backend, interval_s), name="cluster-stats")
 
 
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

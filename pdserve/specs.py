@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from engine.config import EngineConfig
+from pdserve.logs import DEFAULT_LOG_STATS_INTERVAL_S, LOG_FORMATS, LogFormat
 
 WorkerRole = Literal["prefill", "decode"]
 WORKER_ROLES: tuple[str, ...] = get_args(WorkerRole)
@@ -85,6 +86,24 @@ def _check_positive(owner: object, *names: str) -> None:
             raise ValueError(f"{name} must be > 0; got {getattr(owner, name)}")
 
 
+_LOGGING_FIELDS = ("log_format", "log_stats_interval_s")
+"""Passed to a child only when not their defaults: a child of an older release takes the argv."""
+_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", *_LOGGING_FIELDS})
+
+
+def _check_logging(spec: WorkerSpec | RouterSpec) -> None:
+    if spec.log_format not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}; got {spec.log_format!r}")
+    if not spec.log_stats_interval_s >= 0:
+        raise ValueError(f"log_stats_interval_s must be >= 0 (0: no stats lines); got {spec.log_stats_interval_s}")
+
+
+def _logging_argv(spec: WorkerSpec | RouterSpec) -> list[str]:
+    defaults = type(spec).__dataclass_fields__
+    return [part for name in _LOGGING_FIELDS if getattr(spec, name) != defaults[name].default
+            for part in (flag_of(name), str(getattr(spec, name)))]
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One prefill or decode worker process."""
@@ -114,6 +133,10 @@ class WorkerSpec:
     ready_file: str | None = None
     """Written with 'grpc_port metrics_port' once serving (how a launcher learns the ports)."""
     log_level: str = "INFO"
+    log_format: LogFormat = "text"
+    """"text" or "json" (JSON lines with worker_id, role, request_id)."""
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
+    """Seconds between the worker's stats lines (only when they changed); 0: none."""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -129,6 +152,7 @@ class WorkerSpec:
                              f"({self.heartbeat_interval_s}), or a live worker's entry expires")
         if not self.cluster:
             raise ValueError("cluster must not be empty")
+        _check_logging(self)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, role: str | None = None) -> WorkerSpec:
@@ -150,7 +174,7 @@ class WorkerSpec:
                             ("--ready-file", self.ready_file)):
             if value is not None:
                 argv += [flag, value]
-        return argv + engine_argv(self.engine)
+        return argv + _logging_argv(self) + engine_argv(self.engine)
 
 
 @dataclass(frozen=True)
@@ -202,6 +226,10 @@ class RouterSpec:
     ready_file: str | None = None
     """Written with 'http_port grpc_port' once serving."""
     log_level: str = "INFO"
+    log_format: LogFormat = "text"
+    """"text" or "json" (JSON lines with role and request_id)."""
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
+    """Seconds between the router's cluster stats lines (only when they changed); 0: none."""
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -222,6 +250,7 @@ class RouterSpec:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
         if not self.scaler:
             raise ValueError('scaler must be "none" or a scaler name; got ""')
+        _check_logging(self)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterSpec:
@@ -231,13 +260,14 @@ class RouterSpec:
 
     def to_argv(self) -> list[str]:
         """`pdserve router ...`: the arguments (after the program) that run this spec. Optional
-        settings left at None are left out; `scaler` and `max_replicas` only when not their
-        defaults, so a router of an older release still takes a default spec's argv."""
+        settings left at None are left out; `scaler`, `max_replicas` and the logging settings
+        only when not their defaults, so a router of an older release still takes a default
+        spec's argv."""
         defaults = RouterSpec()
         argv = ["router"]
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or (f.name in ("scaler", "max_replicas") and value == getattr(defaults, f.name)):
+            if value is None or (f.name in _ROUTER_ONLY_IF_SET and value == getattr(defaults, f.name)):
                 continue
             argv += [flag_of(f.name), str(value).lower() if isinstance(value, bool) else str(value)]
         return argv

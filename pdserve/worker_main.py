@@ -35,6 +35,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT or a Drain call: seconds in-flight requests get to finish "
                         "before they end with an error (a second signal stops at once)")
     g.add_argument("--ready-file", default=None, help="write 'grpc_port metrics_port' here when serving")
+    from pdserve.logs import add_log_args
+
+    add_log_args(parser.add_argument_group("logging"))
     add_engine_args(parser)
 
 

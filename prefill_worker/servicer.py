@@ -9,6 +9,7 @@ from prefill_worker.worker import (
     DecodeTarget, PrefillDrained, PrefillDraining, PrefillWorker, TransferFailed,
 )
 from proto.convert import logprobs_to_proto, params_from_proto
+from proto.log_context import set_request_id
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -18,6 +19,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.request_drain = request_drain
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        set_request_id(request.request_id)  # this call's log lines name the request (JSON logs)
         try:
             params = params_from_proto(request.sampling)
         except ValueError as exc:

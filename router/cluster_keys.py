@@ -27,6 +27,7 @@ from proto.auth import sign, verify
 
 __all__ = [
     "ROLES",
+    "COUNTERS_SIGNATURE_FIELD",
     "SIGNATURE_FIELD",
     "ClusterSnapshot",
     "UnsignedEntry",
@@ -129,6 +130,16 @@ class WorkerInfo:
     state: WorkerState = "serving"
     """"serving", or "draining": finishing its in-flight requests before it exits; routers
     send a draining worker no new work (worker_runtime.status.WorkerState names them all)."""
+    # Counters since the worker's start (its incarnation): the router's /metrics and its cluster
+    # stats line are built from them. Optional: a worker of an earlier release writes none (0).
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the worker's prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found there."""
+    prompt_tokens: int = 0
+    """Prompt tokens the worker computed."""
+    generation_tokens: int = 0
+    """Tokens the worker sampled."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -204,6 +215,7 @@ class WorkerInfo:
         return cls(**values)  # type: ignore[arg-type]
 
 
+_COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
 _INT_FIELDS = frozenset(
     {
         "block_size",
@@ -215,10 +227,11 @@ _INT_FIELDS = frozenset(
         "num_waiting",
         "queued_prefill_tokens",
         "max_model_len",
+        *_COUNTER_FIELDS,
     }
 )
 _FLOAT_FIELDS = frozenset({"updated_at"})
-_OPTIONAL_FIELDS = frozenset({"state"})
+_OPTIONAL_FIELDS = frozenset({"state", *_COUNTER_FIELDS})
 
 
 def _text(value: bytes | str) -> str:
@@ -265,21 +278,28 @@ class ClusterSnapshot:
 
 
 SIGNATURE_FIELD = "signature"
-"""The heartbeat hash field holding the HMAC (hex) of the others."""
+"""The heartbeat hash field holding the HMAC (hex) of the others (all but the counters)."""
+COUNTERS_SIGNATURE_FIELD = "counters_signature"
+"""The HMAC of every field, counters included. The counters came after signing began and have a
+signature of their own, so either side may be a release older than the other: an older router
+checks `signature` and ignores the rest; a newer router reads counters only when this verifies,
+and a worker of an older release (no counters, no counters_signature) still verifies."""
 _SIGNATURE_DOMAIN = "pdserve-heartbeat-v1"
 """Signed first, so a heartbeat signature is never valid as any other signed message."""
+_COUNTERS_DOMAIN = "pdserve-heartbeat-counters-v1"
 
 
 class UnsignedEntry(ValueError):
     """A heartbeat hash without a valid signature (none, or one that does not verify)."""
 
 
-def _signed_parts(cluster: str, text: Mapping[str, str]) -> list[str]:
+def _signed_parts(cluster: str, text: Mapping[str, str], counters: bool = False) -> list[str]:
     # Every WorkerInfo field, by name, in declaration order: a field moved, dropped or changed
     # breaks the signature. Fields a newer worker may add are neither signed nor read.
-    parts = [_SIGNATURE_DOMAIN, cluster]
+    parts = [_COUNTERS_DOMAIN if counters else _SIGNATURE_DOMAIN, cluster]
     for f in fields(WorkerInfo):
-        parts += [f.name, text.get(f.name, "")]
+        if counters or f.name not in _COUNTER_FIELDS:
+            parts += [f.name, text.get(f.name, "")]
     return parts
 
 
@@ -288,6 +308,7 @@ def signed_hash(info: WorkerInfo, cluster: str, secret: bytes) -> dict[str, str]
     The cluster name is signed too, so an entry copied into another cluster's keys fails."""
     text = info.to_hash()
     text[SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text))
+    text[COUNTERS_SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text, counters=True))
     return text
 
 
@@ -296,7 +317,8 @@ def verified_info(data: Mapping[bytes | str, bytes | str], cluster: str, secret:
 
     secret None: no check (in-process library use and tests without a cluster secret; every
     pdserve process has one). Raises UnsignedEntry when the secret is set and the signature is
-    missing or wrong (constant-time compare), ValueError when the hash does not parse.
+    missing or wrong (constant-time compare), or the hash holds counters whose own signature is
+    (COUNTERS_SIGNATURE_FIELD); ValueError when the hash does not parse.
     """
     text = {_text(k): _text(v) for k, v in data.items()}
     if secret is not None:
@@ -305,4 +327,8 @@ def verified_info(data: Mapping[bytes | str, bytes | str], cluster: str, secret:
             raise UnsignedEntry("heartbeat has no signature")
         if not verify(secret, signature, *_signed_parts(cluster, text)):
             raise UnsignedEntry("heartbeat signature does not verify")
+        if any(name in text for name in _COUNTER_FIELDS):
+            counters_signature = text.get(COUNTERS_SIGNATURE_FIELD, "")
+            if not verify(secret, counters_signature, *_signed_parts(cluster, text, counters=True)):
+                raise UnsignedEntry("heartbeat counters signature does not verify")
     return WorkerInfo.from_hash(text)

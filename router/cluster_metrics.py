@@ -1,6 +1,12 @@
 """The router's cluster-side metrics, read at scrape time: KV transfers its prefills reported,
 routing decisions, admission (queue, rejections by reason), path fallbacks, Redis, and the
-service-wide KV view (per role and per worker) from the last cluster snapshot."""
+service-wide KV view (per role and per worker) from the last cluster snapshot.
+
+The router's /metrics is the one a Prometheus scrapes, so it also carries vLLM's engine gauges
+and prefix-cache counters for every worker of the snapshot (labels model_name, role, worker_id,
+as vLLM's Grafana board selects them). vllm:num_requests_waiting has one more series: the
+router's own admission queue (role "router", worker_id ""), so summing it over a model gives
+everything waiting in the cluster."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from router.cluster_view import role_totals
 
 _ROLE = ["role"]
 _WORKER = ["role", "worker_id"]
+_VLLM_WORKER = ["model_name", "role", "worker_id"]
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -46,6 +53,7 @@ class ClusterCollector:
         yield _gauge("pdserve_redis_up", "1 while the cluster state in Redis is readable.",
                      1.0 if self.reader.redis_ok else 0.0)
         yield from self._routing()
+        yield from self._vllm_workers()
         yield from self._admission()
         yield from self._cluster_kv()
         if self.kv_reader is not None:
@@ -76,10 +84,6 @@ class ClusterCollector:
 
     def _admission(self):
         queue = self.backend.admission
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting in the router's admission queue.",
-                                    labels=["model_name", "role"])
-        waiting.add_metric([self.model_name, "router"], queue.num_waiting)
-        yield waiting
         rejections = CounterMetricFamily(
             "pdserve_admission_rejections", "Requests refused by admission control, by reason.",
             labels=["role", "reason"])
@@ -93,6 +97,34 @@ class ClusterCollector:
         yield rejections
         yield _gauge("pdserve_block_free_rate", "Decode blocks freed per second lately (estimates Retry-After).",
                      queue.free_rate.per_second())
+
+    def _vllm_workers(self):
+        """vLLM's names, one series per worker of the last snapshot (draining ones included:
+        they still run requests and hold blocks)."""
+        snapshot = self.reader.last_snapshot
+        workers = () if snapshot is None else snapshot.workers
+        families = {
+            "running": GaugeMetricFamily("vllm:num_requests_running", "Requests in a worker's running batch.",
+                                         labels=_VLLM_WORKER),
+            "waiting": GaugeMetricFamily("vllm:num_requests_waiting",
+                                         "Requests waiting: in a worker's queue, or in the router's admission "
+                                         "queue (role router).", labels=_VLLM_WORKER),
+            "usage": GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                       labels=_VLLM_WORKER),
+            "queries": CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                           labels=_VLLM_WORKER),
+            "hits": CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                        labels=_VLLM_WORKER),
+        }
+        families["waiting"].add_metric([self.model_name, "router", ""], self.backend.admission.num_waiting)
+        for w in workers:
+            labels = [self.model_name, w.role, w.worker_id]
+            families["running"].add_metric(labels, w.num_running)
+            families["waiting"].add_metric(labels, w.num_waiting)
+            families["usage"].add_metric(labels, 1 - w.free_blocks / w.total_blocks if w.total_blocks else 0.0)
+            families["queries"].add_metric(labels, w.prefix_cache_queries)
+            families["hits"].add_metric(labels, w.prefix_cache_hits)
+        yield from families.values()
 
     def _cluster_kv(self):
         snapshot = self.reader.last_snapshot
@@ -108,12 +140,16 @@ class ClusterCollector:
             "num_running": ("pdserve_cluster_requests_running", "Requests running on the role's workers."),
         }
         families = {key: GaugeMetricFamily(name, doc, labels=_ROLE) for key, (name, doc) in names.items()}
+        usage = GaugeMetricFamily("pdserve_cluster_kv_cache_usage_perc",
+                                  "KV-cache usage of the role's workers together (1 means 100 percent).", labels=_ROLE)
         for role in ("decode", "prefill"):  # draining workers still hold their blocks
             workers = snapshot.members(role)
             totals = role_totals(workers)
             for key, family in families.items():
                 family.add_metric([role], totals[key])
+            usage.add_metric([role], totals["kv_cache_usage_perc"])
         yield from families.values()
+        yield usage
         per_worker = {
             "free_blocks": GaugeMetricFamily("pdserve_worker_kv_blocks_free", "Free KV blocks per worker.",
                                              labels=_WORKER),

@@ -58,7 +58,7 @@ class RouterMetrics:
             "vllm:generation_tokens", "Number of generation tokens processed.", _LABELS, registry=r
         )
         self._path = Counter(
-            "pdserve:request_path", "Finished requests by how they were served.",
+            "pdserve_request_path", "Finished requests by how they were served.",
             [*_LABELS, "path"], registry=r,
         )  # fmt: skip
         self._ttft = self._histogram(

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from proto.log_context import set_request_id
 from router.backend import GenerationBackend
 from router.errors import RouterError, WorkerFailure
 from router.metrics import RouterMetrics
@@ -269,6 +270,7 @@ class RouterService:
 
     def _run(self, client_request_id: str, plan: GenerationPlan) -> GenerationRun:
         backend_id = self._new_request_id()
+        set_request_id(backend_id)  # the id the workers see: JSON log lines of router and workers join on it
         # %r: the client's id is arbitrary text (newlines included); it is a label, never a key.
         logger.info("request %r runs as %s", client_request_id[:128], backend_id)
         return GenerationRun(

@@ -65,6 +65,8 @@ def heartbeat_info(status: WorkerStatus, address: str, metrics_address: str) -> 
         num_running=s.num_running, num_waiting=s.num_waiting, queued_prefill_tokens=s.queued_prefill_tokens,
         max_model_len=status.max_model_len, updated_at=time.time(),
         state="draining" if status.state.value == "draining" else "serving",  # WorkerState.DRAINING
+        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+        prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
     )
 
 

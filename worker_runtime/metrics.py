@@ -1,5 +1,6 @@
-"""A worker's /metrics: vLLM's gauge names with a `role` label, plus KV transfer totals and
-the worker's drain state. Everything dynamic is read from one frozen WorkerStatus per scrape."""
+"""A worker's /metrics: vLLM's gauge names with `model_name`, `role` and `worker_id` labels, plus
+KV transfer totals and the worker's drain state. Everything dynamic is read from one frozen
+WorkerStatus per scrape."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ class WorkerCollector:
     """Reads `status()` once per scrape (a frozen snapshot, any thread); the capacity families
     are fixed after start-up and built once."""
 
-    def __init__(self, status: Callable[[], WorkerStatus], capacity: list[GaugeMetricFamily]) -> None:
+    def __init__(self, status: Callable[[], WorkerStatus], capacity: list[GaugeMetricFamily],
+                 model_name: str) -> None:
+        """model_name: the served model's name, a label on every series (vLLM's dashboards
+        select by it)."""
         self._status = status
         self._capacity = capacity
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         status = self._status()
         s = status.core
-        labels = {"role": status.role, "worker_id": status.worker_id}
+        labels = {"model_name": self._model_name, "role": status.role, "worker_id": status.worker_id}
         names = list(labels)
         values = list(labels.values())
 
@@ -99,6 +104,16 @@ def capacity_metrics(core, labels: dict[str, str]) -> list[GaugeMetricFamily]:
         gauge.add_metric(list(labels.values()), value)
         families.append(gauge)
     return families
+
+
+def served_model_name(config, model_path) -> str:
+    """The name clients and the router use for the model (pdserve router's rule): the
+    --served-model-name, else the default model's name, else the model file's or folder's stem."""
+    from engine.loader.locate import DEFAULT_MODEL_NAME
+
+    if config.served_model_name:
+        return config.served_model_name
+    return DEFAULT_MODEL_NAME if config.model is None else model_path.stem
 
 
 def serve_metrics(collector: WorkerCollector, host: str, port: int):

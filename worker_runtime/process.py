@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
@@ -35,9 +36,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.internal_auth import ClusterAuthServerInterceptor
+from proto.log_context import set_identity
 from proto.limits import grpc_message_options
-from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics
+from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics, served_model_name
 from worker_runtime.roles import role_def
+from worker_runtime.stats_log import WorkerStatsLog
 from worker_runtime.status import DrainResult, WorkerState, WorkerStatus
 
 if TYPE_CHECKING:  # the spec is pdserve's; the runtime only reads its fields
@@ -63,6 +66,7 @@ class WorkerProcess:
         prefill to a data channel). handle_signals False: the host is not this process's main
         thread (a Ray actor); it drains through drain_threadsafe() instead of SIGTERM. Raises
         KeyError for a role with no registry entry."""
+        self._created = time.monotonic()
         self.spec = spec
         self._handle_signals = handle_signals
         self.serving = threading.Event()
@@ -80,6 +84,7 @@ class WorkerProcess:
         self._metrics_server = None
         self._heartbeat = None
         self._kv_events = None
+        self._stats_log: WorkerStatsLog | None = None
         self._signals = 0
         self._forced = False
         self._stopping: asyncio.Event | None = None
@@ -95,6 +100,7 @@ class WorkerProcess:
         except KeyboardInterrupt:
             logger.info("%s worker interrupted while starting", self.spec.role)
             return 130
+        set_identity(self.spec.role, self.worker.worker_id)  # every later log line names it
         return asyncio.run(self.serve())
 
     async def serve(self) -> int:
@@ -205,6 +211,9 @@ class WorkerProcess:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self.state = WorkerState.SERVING
         self._start_publishers()
+        if self.spec.log_stats_interval_s > 0:
+            self._stats_log = WorkerStatsLog(self.status, self.spec.log_stats_interval_s)
+            self._stats_log.start()
         self._announce(port)
 
     def _servicer(self):
@@ -212,8 +221,10 @@ class WorkerProcess:
         return self.role.make_servicer(self.worker, self.address, self.request_drain)
 
     def _start_metrics(self) -> None:
-        labels = {"role": self.spec.role, "worker_id": self.worker.worker_id}
-        collector = WorkerCollector(self.status, capacity_metrics(self.worker.core, labels))
+        core = self.worker.core
+        model_name = served_model_name(core.config, core.model_path)
+        labels = {"model_name": model_name, "role": self.spec.role, "worker_id": self.worker.worker_id}
+        collector = WorkerCollector(self.status, capacity_metrics(core, labels), model_name)
         self._metrics_server, self.metrics_port = serve_metrics(collector, self.spec.host, self.spec.metrics_port)
 
     def _start_publishers(self) -> None:
@@ -240,8 +251,11 @@ class WorkerProcess:
         if self.spec.ready_file:
             with open(self.spec.ready_file, "w") as f:
                 f.write(f"{port} {self.metrics_port}\n")
-        print(f"pdserve {self.spec.role} worker {self.worker.worker_id}: gRPC {self.address}, metrics "
-              f"http://{self.spec.host}:{self.metrics_port}/metrics", flush=True)
+        # The one start line (a supervisor does not repeat it): a log line, not a print, so it is
+        # named and formatted like every other line of the worker.
+        logger.info("%s worker %s serving: gRPC %s, metrics http://%s:%d/metrics (pid %d, started in %.1f s)",
+                    self.spec.role, self.worker.worker_id, self.address, self.spec.host, self.metrics_port,
+                    os.getpid(), time.monotonic() - self._created)
 
     async def _shutdown(self) -> None:
         """Stop in dependency order, each step bounded: calls first, then the Redis entries,
@@ -251,7 +265,7 @@ class WorkerProcess:
             await asyncio.gather(self._drain_task, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace=0 if self._forced else STOP_GRACE_S)
-        for publisher in (self._heartbeat, self._kv_events):
+        for publisher in (self._heartbeat, self._kv_events, self._stats_log):
             if publisher is not None:
                 await asyncio.to_thread(publisher.stop)
         await asyncio.to_thread(self.worker.stop)

@@ -171,7 +171,8 @@ class LocalCluster:
         return WorkerSpec(role=role, engine=engine, worker_id=worker_id, host=self.args.host,  # type: ignore[arg-type]
                           redis_url=self.redis_url, cluster=self.args.cluster, kv_transfer=self.args.kv_transfer,
                           drain_timeout_s=self.args.drain_timeout, ready_file=str(self.workdir / f"{worker_id}.ready"),
-                          log_level=self.args.log_level)
+                          log_level=self.args.log_level, log_format=self.args.log_format,
+                          log_stats_interval_s=self.args.log_stats_interval)
 
     def _launch(self, spec: WorkerSpec) -> ChildProcess:
         return ChildProcess(spec.worker_id or spec.role, spec.to_argv(), self.env, Path(spec.ready_file or ""))

@@ -139,8 +139,9 @@ class Supervisor:
             return
         if not slot.ready and slot.process.is_ready():
             slot.ready = slot.ever_ready = True
-            logger.info("worker %s (%s) is serving after %.1f s", slot.worker_id, slot.process.where,
-                        now - slot.started_at)
+            # debug: the worker announces itself (addresses, pid, start time); one line per start
+            logger.debug("worker %s (%s) is serving after %.1f s", slot.worker_id, slot.process.where,
+                         now - slot.started_at)
         if slot.ready and slot.failures and now - slot.started_at >= BACKOFF_RESET_AFTER_S:
             slot.failures = 0
         overdue = slot.draining_since is not None and now - slot.draining_since > slot.spec.drain_timeout_s + KILL_GRACE_S

@@ -146,7 +146,7 @@ class RunningCluster:
                 self.process.wait(timeout=10)
 
 
-WORKER_LINE = r"pdserve \w+ worker (\S+): gRPC (\S+), metrics http://(\S+)/metrics"
+WORKER_LINE = r"\w+ worker (\S+) serving: gRPC (\S+), metrics http://(\S+)/metrics"
 
 
 def _settled(role: dict, n: int) -> bool:

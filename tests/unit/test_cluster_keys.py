@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from router.cluster_keys import (
+    COUNTERS_SIGNATURE_FIELD,
     SIGNATURE_FIELD,
     ClusterSnapshot,
     UnsignedEntry,
@@ -70,6 +71,10 @@ def test_to_hash_writes_every_field_as_a_string():
         "max_model_len": "8192",
         "updated_at": "1718000000.123456",
         "state": "serving",
+        "prefix_cache_queries": "0",
+        "prefix_cache_hits": "0",
+        "prompt_tokens": "0",
+        "generation_tokens": "0",
     }
 
 
@@ -160,19 +165,20 @@ def as_redis_bytes(fields: dict[str, str]) -> dict[bytes, bytes]:
 def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
     info = make_worker()
     stored = signed_hash(info, "prod", SECRET)
-    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD}
+    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD, COUNTERS_SIGNATURE_FIELD}
     assert verified_info(as_redis_bytes(stored), "prod", SECRET) == info
 
 
 @pytest.mark.parametrize(
     "field, value",
     [("address", "10.0.0.66:50051"), ("role", "prefill"), ("worker_id", "decode-1"),
-     ("incarnation", "ffffff"), ("updated_at", "1718009999.0"), ("free_blocks", "1024")],
+     ("incarnation", "ffffff"), ("updated_at", "1718009999.0"), ("free_blocks", "1024"),
+     ("prefix_cache_hits", "7"), ("generation_tokens", "99")],
 )  # fmt: skip
 def test_changing_any_signed_field_breaks_the_signature(field, value):
     stored = signed_hash(make_worker(), "prod", SECRET)
     stored[field] = value
-    with pytest.raises(UnsignedEntry, match="heartbeat signature does not verify"):
+    with pytest.raises(UnsignedEntry, match="signature does not verify"):  # the counters have their own
         verified_info(stored, "prod", SECRET)
 
 
@@ -190,3 +196,45 @@ def test_without_a_secret_any_parsable_heartbeat_is_taken():
     info = make_worker()
     assert verified_info(info.to_hash(), "prod", None) == info
     assert verified_info(signed_hash(info, "prod", SECRET), "prod", None) == info
+
+
+def test_a_heartbeat_without_the_token_counters_verifies_and_reads_them_as_zero():
+    """A worker of the release before the counters signs and writes none of them."""
+    info = make_worker()
+    counters = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
+    text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
+            if k not in counters and k != COUNTERS_SIGNATURE_FIELD}
+    parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
+    assert parsed == info
+    assert [getattr(parsed, name) for name in counters] == [0, 0, 0, 0]
+
+
+def test_the_base_signature_is_the_previous_releases_so_an_older_router_takes_the_heartbeat():
+    """The previous release signed every field it knew (all but the counters), in order."""
+    import dataclasses
+
+    from proto.auth import verify
+
+    info = dataclasses.replace(make_worker(), prompt_tokens=5, generation_tokens=2)
+    stored = signed_hash(info, "prod", SECRET)
+    previous = [f.name for f in dataclasses.fields(WorkerInfo)][:16]
+    assert previous[-1] == "state"
+    parts = ["pdserve-heartbeat-v1", "prod"] + [part for name in previous for part in (name, stored[name])]
+    assert verify(SECRET, stored[SIGNATURE_FIELD], *parts)
+
+
+def test_counters_without_their_signature_are_refused():
+    stored = signed_hash(make_worker(), "prod", SECRET)
+    del stored[COUNTERS_SIGNATURE_FIELD]
+    with pytest.raises(UnsignedEntry, match="heartbeat counters signature does not verify"):
+        verified_info(stored, "prod", SECRET)
+
+
+def test_token_counters_round_trip_through_a_signed_heartbeat():
+    import dataclasses
+
+    info = dataclasses.replace(make_worker(), prefix_cache_queries=320, prefix_cache_hits=128,
+                               prompt_tokens=192, generation_tokens=45)
+    parsed = verified_info(as_redis_bytes(signed_hash(info, "prod", SECRET)), "prod", SECRET)
+    assert (parsed.prefix_cache_queries, parsed.prefix_cache_hits, parsed.prompt_tokens,
+            parsed.generation_tokens) == (320, 128, 192, 45)

@@ -89,7 +89,7 @@ def test_metrics_count_finished_requests_with_the_router_role():
     assert f"vllm:inter_token_latency_seconds_count{{{LABELS}}} 1.0" in lines
     assert f"vllm:e2e_request_latency_seconds_count{{{LABELS}}} 1.0" in lines
     path_labels = f'model_name="{MODEL}",path="disaggregated",role="router"'
-    assert f"pdserve:request_path_total{{{path_labels}}} 1.0" in lines
+    assert f"pdserve_request_path_total{{{path_labels}}} 1.0" in lines
 
 
 def test_each_app_has_its_own_metrics_registry():

@@ -16,7 +16,7 @@ from worker_runtime.status import TransferTotals, WorkerState, WorkerStatus
 
 CORE = CoreStats(total_blocks=100, free_blocks=60, reserved_blocks=7, cached_blocks=5, num_running=3,
                  num_waiting=2, num_reserved=1, queued_prefill_tokens=90, num_preemptions=4,
-                 prefix_cache_queries=320, prefix_cache_hits=48)
+                 prefix_cache_queries=320, prefix_cache_hits=48, prompt_tokens=272, generation_tokens=35)
 STATUS = WorkerStatus(worker_id="decode-3", incarnation="inc-9", role="decode", state=WorkerState.SERVING,
                       block_size=16, max_model_len=2048, core=CORE, in_flight=6,
                       transfers=TransferTotals(count=11, nbytes=4096, seconds=0.5, failures=2))
@@ -29,20 +29,21 @@ def test_heartbeat_info_publishes_the_status_numbers_and_state(state, published)
         "worker_id": "decode-3", "role": "decode", "address": "127.0.0.1:5001",
         "metrics_address": "127.0.0.1:9001", "incarnation": "inc-9", "block_size": 16, "total_blocks": 100,
         "free_blocks": 60, "reserved_blocks": 7, "cached_blocks": 5, "num_running": 3, "num_waiting": 2,
-        "queued_prefill_tokens": 90, "max_model_len": 2048, "updated_at": 0, "state": published}
+        "queued_prefill_tokens": 90, "max_model_len": 2048, "updated_at": 0, "state": published,
+        "prefix_cache_queries": 320, "prefix_cache_hits": 48, "prompt_tokens": 272, "generation_tokens": 35}
     assert info.draining is (state is WorkerState.DRAINING)
 
 
 def scrape(status: WorkerStatus) -> dict[str, tuple[dict[str, str], float]]:
     registry = CollectorRegistry()
-    registry.register(WorkerCollector(lambda: status, capacity=[]))
+    registry.register(WorkerCollector(lambda: status, capacity=[], model_name="SmolLM2-135M-Instruct"))
     text = generate_latest(registry).decode()
     return {s.name: (s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_are_read_from_the_status_with_role_and_worker_labels():
+def test_metrics_are_read_from_the_status_with_model_role_and_worker_labels():
     samples = scrape(STATUS)
-    labels = {"role": "decode", "worker_id": "decode-3"}
+    labels = {"model_name": "SmolLM2-135M-Instruct", "role": "decode", "worker_id": "decode-3"}
     assert samples["vllm:num_requests_running"] == (labels, 3.0)
     assert samples["vllm:num_requests_waiting"] == (labels, 2.0)
     assert samples["vllm:kv_cache_usage_perc"] == (labels, 0.4)

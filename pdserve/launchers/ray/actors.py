@@ -34,11 +34,15 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 900.0
 """wait_ready's own bound (a model load on a slow node included)."""
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+def _configure_logging(argv: list[str], role: str, worker_id: str | None) -> None:
+    """As `pdserve prefill|decode|router` configures itself (pdserve/logs.py): its level and
+    format flags, every line naming the component."""
+    from pdserve.logs import configure_logging
+
+    configure_logging(_flag_value(argv, "--log-level") or "INFO", _flag_value(argv, "--log-format") or "text",
+                      role, worker_id)
 
 
 class ComponentActor:
@@ -48,7 +52,7 @@ class ComponentActor:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], bind_node: bool) -> None:
         os.environ.update(env)
-        _configure_logging(_flag_value(argv, "--log-level") or "INFO")
+        _configure_logging(argv, argv[0], _flag_value(argv, "--worker-id"))
         self._name, self._argv, self._bind_node = name, list(argv), bind_node
         self._ready = threading.Event()
         self._done = threading.Event()
@@ -160,7 +164,7 @@ class RedisActor:
     """The embedded Redis of a Ray-launched cluster, on the node this actor is placed on."""
 
     def __init__(self, host: str) -> None:
-        _configure_logging("INFO")
+        _configure_logging([], "redis", None)
         from pdserve.redis_server import EmbeddedRedis
 
         self._redis = EmbeddedRedis(host=ray.util.get_node_ip_address() if host == "node" else host)
