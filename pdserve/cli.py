@@ -12,11 +12,12 @@ from pdserve.engine_args import ConfigFileError, add_config_arg, add_engine_args
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens with this probability (1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0: all)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (unset: random)")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -29,10 +30,14 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _build_llm(args, parser):
+    from engine.capacity import KVCacheTooSmall
     from engine.llm import LLM
 
     config = engine_config_from_args(args, parser)
-    return LLM.from_config(config)
+    try:
+        return LLM.from_config(config)
+    except KVCacheTooSmall as exc:
+        parser.exit(2, f"pdserve {args.command}: {exc}\n")
 
 
 def cmd_generate(args, parser) -> int:
@@ -62,20 +67,45 @@ def cmd_chat(args, parser) -> int:
         print(("assistant> " if interactive else "") + out.text, flush=True)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, as `vllm serve --help` shows it; a default of
+    None or False (unset, or a switch that is off) is left out, its help text says what unset
+    means. Descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse.ArgumentParser with HelpFormatter; add_subparsers makes every command's
+    parser one too, so a command added later shows its defaults without being told."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _add_command(sub, name: str, text: str, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A subcommand whose one-line help (in `pdserve --help`) is also its --help description."""
+    return sub.add_parser(name, parents=[common], help=text, description=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
+    parser = Parser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    common.add_argument("--log-level", default="INFO", help="logging level: DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", parents=[common], help="complete prompts with the engine in this process")
+    gen = _add_command(sub, "generate", "complete prompts with the engine in this process", common)
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
     gen.add_argument("--echo", action="store_true", help="print the prompt before its completion")
     add_engine_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", parents=[common], help="chat with the model's chat template (stdin lines)")
+    chat = _add_command(sub, "chat", "chat with the model's chat template (stdin lines)", common)
     chat.add_argument("--system", default=None, help="system message")
     add_engine_args(chat)
     _sampling_args(chat)
@@ -84,38 +114,37 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.worker_main import add_worker_args, run_worker
 
     for role, text in (("prefill", "run a prefill worker (gRPC)"), ("decode", "run a decode worker (gRPC)")):
-        worker = sub.add_parser(role, parents=[common], help=text)
+        worker = _add_command(sub, role, text, common)
         add_worker_args(worker)
         worker.set_defaults(func=lambda args, parser, role=role: run_worker(role, args, parser))
 
     from pdserve.router_main import add_router_args, run_router
 
-    router = sub.add_parser("router", parents=[common], help="run the router (OpenAI HTTP + gRPC)")
+    router = _add_command(sub, "router", "run the router (OpenAI HTTP + gRPC)", common)
     add_router_args(router)
     add_config_arg(router)
     router.set_defaults(func=run_router)
 
     from pdserve.plan import add_plan_args, run_plan
 
-    plan = sub.add_parser("plan", parents=[common], help="KV capacity and a prefill:decode ratio, before running")
+    plan = _add_command(sub, "plan", "KV capacity and a prefill:decode ratio, before running", common)
     add_plan_args(plan)
     plan.set_defaults(func=lambda args, parser, plan=plan: run_plan(args, plan))
 
-    bench = sub.add_parser("bench", parents=[common],
-                           help="load-test an OpenAI-compatible server (flags of `vllm bench serve`)")
+    bench = _add_command(sub, "bench", "load-test an OpenAI-compatible server (flags of `vllm bench serve`)", common)
     from pdserve.bench.args import add_bench_args
 
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
-    up = sub.add_parser("up", parents=[common], help="run a whole cluster on this machine")
+    up = _add_command(sub, "up", "run a whole cluster on this machine", common)
     add_up_args(up)
     up.set_defaults(func=cmd_up)
 
     from pdserve.scale_client import add_scale_args, cmd_scale
 
-    scale = sub.add_parser("scale", parents=[common],
-                           help="set a role's replicas through the router (no assignments: show the roles)")
+    scale = _add_command(sub, "scale", "set a role's replicas through the router (no assignments: show the roles)",
+                         common)
     add_scale_args(scale)
     scale.set_defaults(func=cmd_scale)
     return parser
@@ -127,13 +156,14 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--decode", type=int, default=1, help="decode workers")
     g.add_argument("--colocated", action="store_true",
                    help="no prefill workers: --decode workers prefill and decode (the baseline)")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="address the router binds (HTTP and gRPC)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
     g.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    g.add_argument("--cluster", default="default")
-    g.add_argument("--kv-transfer", default="gloo")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
+    g.add_argument("--kv-transfer", default="gloo", help="KV transfer backend between prefill and decode workers")
+    g.add_argument("--api-key", default=None,
+                   help="require this bearer token (visible in ps: prefer PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a worker being removed (scale-down, Ctrl-C) may finish its in-flight "
                         "requests; past it they end with an explicit error")
@@ -152,7 +182,7 @@ def cmd_bench(args, parser) -> int:
 
 
 def cmd_up(args, parser) -> int:
-    from pdserve.launchers.local import run_up
+    from pdserve.launchers.local import busy_port, run_up
     from pdserve.specs import RouterSpec, engine_config_from
 
     for role in ("prefill", "decode"):
@@ -162,10 +192,25 @@ def cmd_up(args, parser) -> int:
         parser.error(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
     try:  # every spec `up` will launch, checked before anything starts
         RouterSpec.from_args(args)
-        engine_config_from(args)
+        config = engine_config_from(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if (problem := busy_port(args)) is not None:  # exit 1: the machine's state, not a setting
+        print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
+        return 1
+    _check_capacity(config, parser)
     return run_up(args)
+
+
+def _check_capacity(config, parser: argparse.ArgumentParser) -> None:
+    """Settings every worker would refuse after loading the model (KV cache too small for one
+    max_model_len request, no such model) end `up` here: one line, exit 2, nothing started."""
+    from pdserve.plan import fixed_capacity
+
+    try:
+        fixed_capacity(config)
+    except (ValueError, OSError) as exc:
+        parser.exit(2, f"pdserve up: {exc}\n")
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -14,18 +14,20 @@ logger = logging.getLogger(__name__)
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
     g.add_argument("--redis-url", default=None, help="cluster state written by the workers")
-    g.add_argument("--cluster", default="default")
+    g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
     g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model file's name)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
-    g.add_argument("--ticket-timeout", type=float, default=60.0)
+    g.add_argument("--ticket-timeout", type=float, default=60.0,
+                   help="seconds a decode worker holds blocks reserved for a prompt whose KV has not arrived")
     g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
     # Takes an optional value so that `pdserve up` can pass it on like ROUTING_FLAGS
     # (`--colocated True|False`); `--colocated` alone means True.

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -244,6 +245,25 @@ class LocalCluster:
                 logger.error("%s did not stop within %.0f s; killing", what, timeout_s)
                 return
             self.signals.sleep(0.1, below=2)
+
+
+def busy_port(args: argparse.Namespace) -> str | None:
+    """Why the router could not bind its ports (--port, --grpc-port), or None when both are
+    free: checked before Redis or any worker starts, so a taken port costs a second, not a
+    model load. Bound with SO_REUSEADDR, as uvicorn binds, so a socket in TIME_WAIT is free;
+    port 0 means any free port. (The embedded Redis picks a free port of its own.)"""
+    if args.port and args.port == args.grpc_port:
+        return f"--port and --grpc-port are both {args.port}"
+    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((args.host, port))
+            except OSError as exc:
+                return f"{flag} {port}: cannot listen on {args.host}:{port} ({exc.strerror}); choose another {flag}"
+    return None
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -1,0 +1,104 @@
+"""What the real CLI checks before it starts anything: `pdserve up`'s ports and KV capacity, and
+the server `pdserve bench` talks to. Each runs `python -m pdserve ...` as a user would."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_pdserve(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pdserve", *argv], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    return result, time.monotonic() - start
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port with a listener on 127.0.0.1 for the test's duration."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_up_refuses_a_taken_http_port_at_once_naming_the_flag(taken_port):
+    result, seconds = run_pdserve("up", "--port", str(taken_port), "--grpc-port", str(free_port()))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (f"pdserve up: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port} "
+                             "(Address already in use); choose another --port\n")
+    assert seconds < 10, "no model load, no Redis: the check comes first (measured ~0.3 s; loaded machine)"
+
+
+def test_up_refuses_a_taken_grpc_port_naming_the_flag(taken_port):
+    result, _ = run_pdserve("up", "--port", str(free_port()), "--grpc-port", str(taken_port))
+    assert result.returncode == 1
+    assert result.stderr == (f"pdserve up: --grpc-port {taken_port}: cannot listen on 127.0.0.1:{taken_port} "
+                             "(Address already in use); choose another --grpc-port\n")
+
+
+def test_up_refuses_one_port_for_http_and_grpc():
+    port = free_port()
+    result, _ = run_pdserve("up", "--port", str(port), "--grpc-port", str(port))
+    assert (result.returncode, result.stderr) == (1, f"pdserve up: --port and --grpc-port are both {port}\n")
+
+
+def test_up_takes_its_ports_from_a_config_file_and_checks_them(taken_port, tmp_path):
+    config = tmp_path / "up.yaml"
+    config.write_text(f"port: {taken_port}\ngrpc-port: {free_port()}\nkv-cache-memory: 1GiB\n")
+    result, _ = run_pdserve("up", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"pdserve up: --port {taken_port}: cannot listen on")
+
+
+def test_up_refuses_a_kv_cache_that_cannot_hold_one_request_once_before_starting_anything():
+    result, seconds = run_pdserve("up", "--kv-cache-memory", "1MiB", "--port", str(free_port()),
+                                  "--grpc-port", str(free_port()))
+    assert (result.returncode, result.stdout) == (2, "")
+    [line] = result.stderr.splitlines()
+    assert line.startswith("pdserve up: KV cache too small: ")
+    assert line.endswith("cannot hold one request of max_model_len=8,192 tokens, which needs 512 blocks "
+                         "(180.0 MiB). Raise --kv-cache-memory / --gpu-memory-utilization / "
+                         "--num-gpu-blocks-override, or lower --max-model-len to at most 32.")
+    assert seconds < 30, "the model's header is read, not its weights (measured ~2 s)"
+
+
+def test_up_refuses_a_model_that_is_not_there_before_starting_anything(tmp_path):
+    missing = tmp_path / "none.gguf"
+    result, _ = run_pdserve("up", "--model", str(missing), "--port", str(free_port()),
+                            "--grpc-port", str(free_port()))
+    assert result.returncode == 2
+    assert result.stderr == (f"pdserve up: model '{missing}' is neither a GGUF file nor a folder on this machine "
+                             "(pdserve loads local files only; it never downloads from a hub)\n")
+
+
+def test_bench_without_base_url_says_once_which_server_it_uses():
+    port = free_port()  # nothing listens: every request fails fast, which is not what is tested
+    result, _ = run_pdserve("bench", "--port", str(port), "--model", "m", "--num-prompts", "2",
+                            "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm")
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"Base URL: http://127.0.0.1:{port} (no --base-url: from --host and --port)"
+    assert sum(line.startswith("Base URL") for line in lines) == 1
+
+
+def test_bench_with_base_url_says_nothing_about_defaults():
+    result, _ = run_pdserve("bench", "--base-url", f"http://127.0.0.1:{free_port()}/", "--model", "m",
+                            "--num-prompts", "1", "--random-input-len", "8", "--random-output-len", "2",
+                            "--disable-tqdm")
+    assert result.stdout.splitlines()[0] == "Traffic request rate: inf"
+    assert "Base URL" not in result.stdout
