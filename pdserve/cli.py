@@ -7,7 +7,9 @@ import argparse
 import logging
 import sys
 
+from kv_transfer.base import KV_TRANSFER_BACKENDS
 from pdserve.engine_args import ConfigFileError, add_config_arg, add_engine_args, config_file_argv, engine_config_from_args
+from pdserve.engine_args import parse_redis_url
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -159,9 +161,10 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address the router binds (HTTP and gRPC)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
-    g.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    g.add_argument("--redis-url", type=parse_redis_url, default=None, help="use this Redis instead of an embedded one")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
-    g.add_argument("--kv-transfer", default="gloo", help="KV transfer backend between prefill and decode workers")
+    g.add_argument("--kv-transfer", default="gloo", choices=KV_TRANSFER_BACKENDS.names(),
+                   help="KV transfer backend between prefill and decode workers")
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (visible in ps: prefer PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
@@ -198,8 +201,21 @@ def cmd_up(args, parser) -> int:
     if (problem := busy_port(args)) is not None:  # exit 1: the machine's state, not a setting
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 1
+    _check_key_files()
     _check_capacity(config, parser)
     return run_up(args)
+
+
+def _check_key_files() -> None:
+    """The API and admin keys the router will read from $PDSERVE_*_KEY_FILE: an unreadable or
+    empty file ends `up` now (one line, exit 1), not the router after the workers loaded."""
+    from pdserve.router_main import key_from
+
+    for env in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_KEY"):
+        try:
+            key_from(None, "", env)
+        except SystemExit as exc:
+            raise SystemExit(f"pdserve up: {exc}") from None
 
 
 def _check_capacity(config, parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,16 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * units[unit])
 
 
+def parse_redis_url(text: str) -> str:
+    """A --redis-url: redis://, rediss:// (TLS) or unix:// (checked here, where a flag's or a
+    --config file's value is parsed, rather than by the Redis client once processes run)."""
+    scheme = text.partition("://")[0].lower() if "://" in text else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        raise argparse.ArgumentTypeError(
+            f"not a Redis URL: {text!r} (redis://HOST:PORT/DB, rediss://... for TLS, or unix://PATH)")
+    return text
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct GGUF)")

@@ -9,6 +9,8 @@ import os
 import signal
 from pathlib import Path
 
+from pdserve.engine_args import parse_redis_url
+
 logger = logging.getLogger(__name__)
 
 
@@ -17,7 +19,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
-    g.add_argument("--redis-url", default=None, help="cluster state written by the workers")
+    g.add_argument("--redis-url", type=parse_redis_url, default=None, help="cluster state written by the workers")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
     g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
@@ -109,7 +111,10 @@ def key_from(flag_value: str | None, flag: str, env: str) -> str | None:
     key_file = os.environ.get(f"{env}_FILE")
     if not key_file:
         return None
-    key = Path(key_file).read_text().strip()
+    try:
+        key = Path(key_file).read_text().strip()
+    except OSError as exc:  # a setting, not a bug: one line, no traceback
+        raise SystemExit(f"{env}_FILE {key_file}: cannot read it ({exc.strerror})") from None
     if not key:
         raise SystemExit(f"{env}_FILE {key_file} is empty: refusing to serve without the key it promises")
     return key

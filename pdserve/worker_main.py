@@ -13,7 +13,7 @@ import sys
 
 from engine.capacity import KVCacheTooSmall
 from kv_transfer.base import KV_TRANSFER_BACKENDS
-from pdserve.engine_args import add_engine_args
+from pdserve.engine_args import add_engine_args, parse_redis_url
 from pdserve.specs import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     g.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0: any free port)")
-    g.add_argument("--redis-url", default=None, help="cluster state (heartbeats); none: no registration")
+    g.add_argument("--redis-url", type=parse_redis_url, default=None,
+                   help="cluster state (heartbeats); none: no registration")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
     g.add_argument("--worker-id", default=None,
                    help="name in the cluster state and logs (default: ROLE-<8 random hex digits>)")

@@ -102,3 +102,46 @@ def test_bench_with_base_url_says_nothing_about_defaults():
                             "--disable-tqdm")
     assert result.stdout.splitlines()[0] == "Traffic request rate: inf"
     assert "Base URL" not in result.stdout
+
+
+@pytest.mark.parametrize("command", ["up", "router", "decode", "prefill"])
+def test_a_redis_url_without_a_scheme_is_refused_when_parsed(command):
+    result, _ = run_pdserve(command, "--redis-url", "localhost:6379")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"pdserve {command}: error: argument --redis-url: not a Redis URL: 'localhost:6379' "
+        "(redis://HOST:PORT/DB, rediss://... for TLS, or unix://PATH)")
+
+
+def test_up_refuses_an_unknown_kv_transfer_backend_before_starting_workers():
+    result, _ = run_pdserve("up", "--kv-transfer", "rdma", "--port", str(free_port()), "--grpc-port", str(free_port()))
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == ("pdserve up: error: argument --kv-transfer: invalid choice: 'rdma' "
+                                              "(choose from 'cuda_ipc', 'gloo', 'local', 'nccl')")
+
+
+def test_up_refuses_an_api_key_file_it_cannot_read_before_starting_anything(tmp_path, monkeypatch):
+    missing = tmp_path / "api.key"
+    monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(missing))
+    result, seconds = run_pdserve("up", "--port", str(free_port()), "--grpc-port", str(free_port()))
+    assert (result.returncode, result.stderr) == (
+        1, f"pdserve up: PDSERVE_API_KEY_FILE {missing}: cannot read it (No such file or directory)\n")
+    assert seconds < 10
+
+
+def test_up_refuses_an_empty_admin_key_file(tmp_path, monkeypatch):
+    empty = tmp_path / "admin.key"
+    empty.write_text("\n")
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY_FILE", str(empty))
+    result, _ = run_pdserve("up", "--port", str(free_port()), "--grpc-port", str(free_port()))
+    assert (result.returncode, result.stderr) == (
+        1, f"pdserve up: PDSERVE_ADMIN_KEY_FILE {empty} is empty: refusing to serve without the key it promises\n")
+
+
+def test_the_router_says_in_one_line_that_its_api_key_file_is_missing(tmp_path, monkeypatch):
+    missing = tmp_path / "api.key"
+    monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(missing))
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "x" * 32)
+    result, _ = run_pdserve("router", "--port", "0", "--grpc-port", "0")
+    assert (result.returncode, result.stderr) == (
+        1, f"PDSERVE_API_KEY_FILE {missing}: cannot read it (No such file or directory)\n")
