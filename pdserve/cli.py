@@ -36,9 +36,10 @@ def _build_llm(args, parser):
     from engine.llm import LLM
 
     config = engine_config_from_args(args, parser)
+    _check_engine(config, parser, f"pdserve {args.command}")
     try:
         return LLM.from_config(config)
-    except KVCacheTooSmall as exc:
+    except KVCacheTooSmall as exc:  # a budget of free memory: known only once the model is in
         parser.exit(2, f"pdserve {args.command}: {exc}\n")
 
 
@@ -202,7 +203,7 @@ def cmd_up(args, parser) -> int:
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 1
     _check_key_files()
-    _check_capacity(config, parser)
+    _check_engine(config, parser, "pdserve up")
     return run_up(args)
 
 
@@ -218,15 +219,16 @@ def _check_key_files() -> None:
             raise SystemExit(f"pdserve up: {exc}") from None
 
 
-def _check_capacity(config, parser: argparse.ArgumentParser) -> None:
-    """Settings every worker would refuse after loading the model (KV cache too small for one
-    max_model_len request, no such model) end `up` here: one line, exit 2, nothing started."""
-    from pdserve.plan import fixed_capacity
+def _check_engine(config, parser: argparse.ArgumentParser, program: str) -> None:
+    """Settings every engine would refuse after loading the model (pdserve.preflight: no such
+    model, a KV cache too small for one max_model_len request, ...) end the command here: one
+    line, exit 2, nothing started."""
+    from pdserve.preflight import check_engine_settings
 
     try:
-        fixed_capacity(config)
+        check_engine_settings(config)
     except (ValueError, OSError) as exc:
-        parser.exit(2, f"pdserve up: {exc}\n")
+        parser.exit(2, f"{program}: {exc}\n")
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

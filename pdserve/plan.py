@@ -171,36 +171,6 @@ def build_plan(config: EngineConfig, inputs: PlanInputs, spec: ModelSpec, model_
     )
 
 
-class _BudgetNeedsFreeMemory(Exception):
-    """The KV budget is a share of the memory free when a worker starts: not known before."""
-
-
-def _free_memory_unknown() -> int:
-    raise _BudgetNeedsFreeMemory
-
-
-def fixed_capacity(config: EngineConfig) -> KVCapacity | None:
-    """The KV capacity every worker started with `config` will have, when the budget does not
-    depend on the memory free at its start (--kv-cache-memory, --num-gpu-blocks-override, the
-    CPU default); None when it does. Lets `pdserve up` refuse, once and before anything starts,
-    settings each of its workers would refuse after loading the model. Raises KVCacheTooSmall
-    (a ValueError), ValueError for a --max-model-len past the model's, OSError for no model."""
-    from engine.loader.locate import resolve_model_path
-    from engine.loader.spec_reader import read_spec
-
-    spec = read_spec(resolve_model_path(config.model))
-    device_type, dtype = resolve_device_dtype(config)
-    try:
-        budget = kv_budget(config, device_type, weights_bytes(spec, dtype), _free_memory_unknown)
-    except _BudgetNeedsFreeMemory:
-        return None
-    return plan_capacity(
-        spec, kv_dtype=kv_dtype_name(config.kv_cache_dtype, dtype), block_size=config.block_size,
-        max_model_len=resolve_max_model_len(spec, config.max_model_len),
-        kv_budget_bytes=budget.num_bytes, num_blocks_override=config.num_gpu_blocks_override,
-    )
-
-
 def resolve_device_dtype(config: EngineConfig) -> tuple[str, str]:
     """(device type, dtype name) by a worker's rules (engine.device); torch only for `auto`."""
     if config.device != "auto" and config.dtype != "auto":

@@ -14,6 +14,7 @@ import sys
 from engine.capacity import KVCacheTooSmall
 from kv_transfer.base import KV_TRANSFER_BACKENDS
 from pdserve.engine_args import add_engine_args, parse_redis_url
+from pdserve.preflight import check_engine_settings
 from pdserve.specs import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,11 @@ def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentPar
 
     spec = worker_spec_from_args(role, args, parser)
     secret = require_cluster_secret(f"pdserve {role}")  # before the model loads: fail fast
+    try:
+        check_engine_settings(spec.engine)
+    except (ValueError, OSError) as exc:  # a setting: one line, no traceback, no model load
+        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
+        return 2
     tune_allocator()
     try:
         return WorkerProcess(spec, secret).run()

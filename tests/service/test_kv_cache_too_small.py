@@ -1,6 +1,7 @@
 """A KV cache that cannot hold one max_model_len request is a setting, not a crash: a worker
-(`pdserve decode`), `pdserve generate` and `pdserve up` (whose workers find it only once they
-know their free memory) each print the message once, with no traceback.
+(`pdserve decode`), `pdserve generate` and `pdserve up` each print the message once, with no
+traceback — refused before the model loads when the budget is fixed (pdserve.preflight), and
+by the engine itself when it is a share of the memory free at start.
 
 Real processes through the real CLI, on the tiny random-weight model (tests/tiny_model.py):
 the model loads in about a second, and what is tested is what the user reads."""
@@ -68,6 +69,22 @@ def test_generate_that_cannot_fit_one_request_says_so_once_without_a_traceback(t
     assert "Traceback" not in result.stderr
     [line] = message_lines(result.stderr)
     assert line.startswith("pdserve generate: KV cache too small: 4 blocks x 16 = 64 tokens")
+
+
+def test_generate_whose_share_of_free_memory_cannot_fit_one_request_says_so_once(tiny_model_dir):
+    result = run_pdserve("generate", "hi", *tiny_engine_flags(tiny_model_dir), "--gpu-memory-utilization", "0.0001")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "Traceback" not in result.stderr
+    [line] = message_lines(result.stderr)
+    assert line.startswith("pdserve generate: KV cache too small: 0 blocks x 16 = 0 tokens (512 B/token) ")
+
+
+def test_a_worker_with_a_missing_model_says_so_in_one_line_before_loading_anything(tmp_path):
+    missing = tmp_path / "none.gguf"
+    result = run_pdserve("prefill", "--model", str(missing))
+    assert (result.returncode, result.stderr) == (
+        2, f"pdserve prefill: model '{missing}' is neither a GGUF file nor a folder on this machine "
+           "(pdserve loads local files only; it never downloads from a hub)\n")
 
 
 def test_up_whose_worker_cannot_fit_one_request_prints_the_message_once(tiny_model_dir):

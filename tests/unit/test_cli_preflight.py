@@ -67,7 +67,7 @@ def test_up_takes_its_ports_from_a_config_file_and_checks_them(taken_port, tmp_p
 
 
 def test_up_refuses_a_kv_cache_that_cannot_hold_one_request_once_before_starting_anything():
-    result, seconds = run_pdserve("up", "--kv-cache-memory", "1MiB", "--port", str(free_port()),
+    result, seconds = run_pdserve("up", "--kv-cache-memory", "1MiB", "--dtype", "bfloat16", "--port", str(free_port()),
                                   "--grpc-port", str(free_port()))
     assert (result.returncode, result.stdout) == (2, "")
     [line] = result.stderr.splitlines()
