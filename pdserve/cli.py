@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     chat = _add_command(sub, "chat", "chat with the model's chat template (stdin lines)", common)
-    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--system", default=None, help="system message (unset: none)")
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)

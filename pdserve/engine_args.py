@@ -43,11 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of device memory (CPU: of available memory) for weights + KV cache")
+                   help="share of device memory (CPU: of available memory) for weights + KV cache "
+                        "(unset: 0.9 on GPU; on CPU --kv-cache-memory decides)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2GiB (CPU default: 2GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="exact number of KV blocks (overrides the memory budget)")
+                   help="exact number of KV blocks (unset: from the memory budget)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache element type (auto: the model dtype)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

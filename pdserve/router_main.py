@@ -19,9 +19,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
-    g.add_argument("--redis-url", type=parse_redis_url, default=None, help="cluster state written by the workers")
+    g.add_argument("--redis-url", type=parse_redis_url, default=None,
+                   help="cluster state written by the workers (unset: no workers are seen)")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
-    g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
+    g.add_argument("--model", default=None,
+                   help="model file or folder: its tokenizer and name (default: SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model file's name)")
     g.add_argument("--max-model-len", type=int, default=None,
