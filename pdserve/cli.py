@@ -187,6 +187,7 @@ def cmd_bench(args, parser) -> int:
 
 def cmd_up(args, parser) -> int:
     from pdserve.launchers.local import busy_port, run_up
+    from pdserve.preflight import redis_auth_problem
     from pdserve.specs import RouterSpec, engine_config_from
 
     for role in ("prefill", "decode"):
@@ -199,7 +200,8 @@ def cmd_up(args, parser) -> int:
         config = engine_config_from(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if (problem := busy_port(args)) is not None:  # exit 1: the machine's state, not a setting
+    problem = busy_port(args)  # exit 1: the machine's state (or environment), not a flag
+    if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
         return 1
     _check_key_files()

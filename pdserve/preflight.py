@@ -1,6 +1,10 @@
-"""Engine settings checked before a model loads: what every engine (a worker, `generate`,
-`chat`, each worker of `pdserve up`) would refuse after a load of many seconds, refused at once
-instead, as one line that names the setting.
+"""Settings checked before a model loads: what a process (a worker, the router, `generate`,
+`chat`, `pdserve up` and each of its children) would refuse after a load of many seconds,
+refused at once instead, as one line that names the flag or the setting.
+
+Ports: bound once with SO_REUSEADDR, as uvicorn binds (a socket in TIME_WAIT is free), but
+without SO_REUSEPORT, which gRPC servers set: a second server would otherwise share a port
+with a running one, silently. Port 0 means any free port and is not checked.
 
 Reads the model's shape only (engine.loader.spec_reader: its header, no weights), with the
 functions a worker itself calls (engine.capacity, engine.device), so the checks cannot drift
@@ -10,12 +14,44 @@ starts is not known here; the worker checks that one itself (engine.capacity.KVC
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 from engine.capacity import (
     KVCapacity, kv_budget, kv_dtype_name, plan_capacity, resolve_max_model_len, weights_bytes,
 )
 from engine.config import EngineConfig
+
+
+def port_problem(host: str, ports: Iterable[tuple[str, int]]) -> str | None:
+    """Why one of `ports` ((flag, port) pairs) cannot be listened on at `host`, or None."""
+    seen: dict[int, str] = {}
+    for flag, port in ports:
+        if not port:
+            continue
+        if port in seen:
+            return f"{seen[port]} and {flag} are both {port}"
+        seen[port] = flag
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                return f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); choose another {flag}"
+    return None
+
+
+def redis_auth_problem() -> str | None:
+    """Why the Redis credentials in the environment ($PDSERVE_REDIS_PASSWORD_FILE) cannot be
+    read, or None."""
+    from router.redis_settings import RedisAuth
+
+    try:
+        RedisAuth.from_env()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class _BudgetNeedsFreeMemory(Exception):

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 from pdserve.engine_args import parse_redis_url
@@ -324,5 +325,11 @@ async def serve_router(args: argparse.Namespace) -> None:
 
 
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.preflight import port_problem, redis_auth_problem
+
+    problem = port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
+    if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
+        print(f"pdserve router: {problem}", file=sys.stderr, flush=True)  # before the tokenizer loads
+        return 1
     asyncio.run(serve_router(args))
     return 0

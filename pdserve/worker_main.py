@@ -14,7 +14,7 @@ import sys
 from engine.capacity import KVCacheTooSmall
 from kv_transfer.base import KV_TRANSFER_BACKENDS
 from pdserve.engine_args import add_engine_args, parse_redis_url
-from pdserve.preflight import check_engine_settings
+from pdserve.preflight import check_engine_settings, port_problem, redis_auth_problem
 from pdserve.specs import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -74,17 +74,30 @@ def worker_spec_from_args(role: str, args: argparse.Namespace, parser: argparse.
         raise  # unreachable: parser.error exits
 
 
+def preflight(role: str, spec: WorkerSpec) -> int | None:
+    """What the worker would refuse after loading its model, checked before (pdserve.preflight):
+    None when all is well, else the exit code after one line on stderr, no traceback: 2 for an
+    engine setting, 1 for a port that is taken or Redis credentials that cannot be read."""
+    try:
+        check_engine_settings(spec.engine)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    problem = port_problem(spec.host, (("--port", spec.port), ("--metrics-port", spec.metrics_port)))
+    if problem is not None or (spec.redis_url and (problem := redis_auth_problem()) is not None):
+        print(f"pdserve {role}: {problem}", file=sys.stderr, flush=True)
+        return 1
+    return None
+
+
 def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from proto.internal_auth import require_cluster_secret
     from worker_runtime.process import WorkerProcess
 
     spec = worker_spec_from_args(role, args, parser)
     secret = require_cluster_secret(f"pdserve {role}")  # before the model loads: fail fast
-    try:
-        check_engine_settings(spec.engine)
-    except (ValueError, OSError) as exc:  # a setting: one line, no traceback, no model load
-        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
-        return 2
+    if (code := preflight(role, spec)) is not None:
+        return code
     tune_allocator()
     try:
         return WorkerProcess(spec, secret).run()

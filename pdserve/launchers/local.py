@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -249,21 +248,12 @@ class LocalCluster:
 
 def busy_port(args: argparse.Namespace) -> str | None:
     """Why the router could not bind its ports (--port, --grpc-port), or None when both are
-    free: checked before Redis or any worker starts, so a taken port costs a second, not a
-    model load. Bound with SO_REUSEADDR, as uvicorn binds, so a socket in TIME_WAIT is free;
-    port 0 means any free port. (The embedded Redis picks a free port of its own.)"""
-    if args.port and args.port == args.grpc_port:
-        return f"--port and --grpc-port are both {args.port}"
-    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
-        if not port:
-            continue
-        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((args.host, port))
-            except OSError as exc:
-                return f"{flag} {port}: cannot listen on {args.host}:{port} ({exc.strerror}); choose another {flag}"
-    return None
+    free: checked before Redis or any worker starts, so a taken port costs a fraction of a
+    second, not a model load (pdserve.preflight.port_problem). The embedded Redis and the
+    workers pick free ports of their own."""
+    from pdserve.preflight import port_problem
+
+    return port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -145,3 +145,29 @@ def test_the_router_says_in_one_line_that_its_api_key_file_is_missing(tmp_path, 
     result, _ = run_pdserve("router", "--port", "0", "--grpc-port", "0")
     assert (result.returncode, result.stderr) == (
         1, f"PDSERVE_API_KEY_FILE {missing}: cannot read it (No such file or directory)\n")
+
+
+@pytest.mark.parametrize("command, flag", [("router", "--port"), ("router", "--grpc-port"), ("decode", "--port"),
+                                           ("prefill", "--metrics-port")])
+def test_a_component_refuses_a_taken_port_in_one_line_before_loading_anything(command, flag, taken_port,
+                                                                             monkeypatch):
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "x" * 32)
+    others = {"router": ["--port", "0", "--grpc-port", "0"], "decode": [], "prefill": []}[command]
+    result, seconds = run_pdserve(command, *others, flag, str(taken_port))
+    assert (result.returncode, result.stderr) == (
+        1, f"pdserve {command}: {flag} {taken_port}: cannot listen on 127.0.0.1:{taken_port} "
+           f"(Address already in use); choose another {flag}\n")
+    assert seconds < 20, "before the model or tokenizer loads (measured ~2 s: torch import)"
+
+
+@pytest.mark.parametrize("command", ["up", "router", "decode"])
+def test_an_unreadable_redis_password_file_is_one_line(command, tmp_path, monkeypatch):
+    missing = tmp_path / "redis.pass"
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "x" * 32)
+    monkeypatch.delenv("PDSERVE_REDIS_PASSWORD", raising=False)
+    monkeypatch.setenv("PDSERVE_REDIS_PASSWORD_FILE", str(missing))
+    ports = ["--port", str(free_port()), "--grpc-port", str(free_port())] if command != "decode" else []
+    result, _ = run_pdserve(command, "--redis-url", "redis://127.0.0.1:1/0", *ports)
+    assert (result.returncode, result.stderr) == (
+        1, f"pdserve {command}: cannot read the Redis password file {missing} (PDSERVE_REDIS_PASSWORD_FILE): "
+           f"[Errno 2] No such file or directory: '{missing}'\n")

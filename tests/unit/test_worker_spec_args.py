@@ -28,8 +28,9 @@ class CapturedProcess:
 @pytest.fixture(autouse=True)
 def captured(monkeypatch) -> list[WorkerSpec]:
     monkeypatch.setattr(worker_runtime.process, "WorkerProcess", CapturedProcess)
-    # The specs name models that do not exist: the pre-load checks are tested in test_preflight.py.
-    monkeypatch.setattr(pdserve.worker_main, "check_engine_settings", lambda config: None)
+    # The specs name models and hosts that do not exist here: the pre-load checks are tested in
+    # test_preflight.py and through the CLI in test_cli_preflight.py.
+    monkeypatch.setattr(pdserve.worker_main, "preflight", lambda role, spec: None)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # tune_allocator leaves this test process alone
     CapturedProcess.specs = []
     return CapturedProcess.specs
