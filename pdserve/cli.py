@@ -70,6 +70,9 @@ def cmd_chat(args, parser) -> int:
         print(("assistant> " if interactive else "") + out.text, flush=True)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every flag's help ends with its default, as `vllm serve --help` shows it; a default of
     None or False (unset, or a switch that is off) is left out, its help text says what unset
@@ -98,7 +101,8 @@ def _add_command(sub, name: str, text: str, common: argparse.ArgumentParser) -> 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO", help="logging level: DEBUG, INFO, WARNING, ERROR")
+    common.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (any case)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = _add_command(sub, "generate", "complete prompts with the engine in this process", common)

@@ -171,3 +171,16 @@ def test_an_unreadable_redis_password_file_is_one_line(command, tmp_path, monkey
     assert (result.returncode, result.stderr) == (
         1, f"pdserve {command}: cannot read the Redis password file {missing} (PDSERVE_REDIS_PASSWORD_FILE): "
            f"[Errno 2] No such file or directory: '{missing}'\n")
+
+
+def test_an_unknown_log_level_is_a_usage_error_not_a_traceback():
+    result, _ = run_pdserve("plan", "--log-level", "loud")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == ("pdserve plan: error: argument --log-level: invalid choice: 'LOUD' "
+                                              "(choose from 'DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')")
+
+
+def test_a_log_level_in_any_case_is_taken():
+    from pdserve.cli import build_parser
+
+    assert build_parser().parse_args(["plan", "--log-level", "debug"]).log_level == "DEBUG"
