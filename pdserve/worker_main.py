@@ -78,15 +78,15 @@ def preflight(role: str, spec: WorkerSpec) -> int | None:
     """What the worker would refuse after loading its model, checked before (pdserve.preflight):
     None when all is well, else the exit code after one line on stderr, no traceback: 2 for an
     engine setting, 1 for a port that is taken or Redis credentials that cannot be read."""
-    try:
-        check_engine_settings(spec.engine)
-    except (ValueError, OSError) as exc:
-        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
-        return 2
     problem = port_problem(spec.host, (("--port", spec.port), ("--metrics-port", spec.metrics_port)))
     if problem is not None or (spec.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve {role}: {problem}", file=sys.stderr, flush=True)
         return 1
+    try:  # after the ports: this one imports torch
+        check_engine_settings(spec.engine)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
+        return 2
     return None
 
 
