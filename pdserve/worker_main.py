@@ -92,12 +92,13 @@ def preflight(role: str, spec: WorkerSpec) -> int | None:
 
 def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from proto.internal_auth import require_cluster_secret
-    from worker_runtime.process import WorkerProcess
 
     spec = worker_spec_from_args(role, args, parser)
     secret = require_cluster_secret(f"pdserve {role}")  # before the model loads: fail fast
     if (code := preflight(role, spec)) is not None:
         return code
+    from worker_runtime.process import WorkerProcess  # torch, the engine: after the checks
+
     tune_allocator()
     try:
         return WorkerProcess(spec, secret).run()
