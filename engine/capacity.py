@@ -128,6 +128,11 @@ def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int) 
     return max(budget_bytes // (bytes_per_token * block_size), 0)
 
 
+class KVCacheTooSmall(ValueError):
+    """Not even one max_model_len request fits the KV cache: a setting to change, not a bug.
+    The message gives the numbers and the flags; commands print it as one line, no traceback."""
+
+
 def plan_capacity(
     spec: ModelSpec,
     *,
@@ -137,8 +142,8 @@ def plan_capacity(
     kv_budget_bytes: int | None,
     num_blocks_override: int | None = None,
 ) -> KVCapacity:
-    """Capacity for a budget (or an exact block count). Raises ValueError, with the numbers
-    and what to change, when not even one max_model_len request fits."""
+    """Capacity for a budget (or an exact block count). Raises KVCacheTooSmall, with the
+    numbers and what to change, when not even one max_model_len request fits."""
     per_token = kv_bytes_per_token(spec, kv_dtype)
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
@@ -151,7 +156,7 @@ def plan_capacity(
         lower = (
             f", or lower --max-model-len to at most {capacity.num_tokens:,}" if capacity.num_tokens else ""
         )
-        raise ValueError(
+        raise KVCacheTooSmall(
             f"KV cache too small: {num_blocks} blocks x {block_size} = {capacity.num_tokens:,} tokens "
             f"({_kib(per_token)}/token) cannot hold one request of max_model_len={max_model_len:,} "
             f"tokens, which needs {need} blocks ({need * capacity.bytes_per_block / 2**20:,.1f} MiB). "

@@ -6,16 +6,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kv_transfer.base import KV_TRANSFER_BACKENDS
 from pdserve.engine_args import ConfigFileError, add_config_arg, add_engine_args, config_file_argv, engine_config_from_args
+from pdserve.engine_args import parse_redis_url
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens with this probability (1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0: all)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (unset: random)")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -28,10 +31,15 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _build_llm(args, parser):
+    from engine.capacity import KVCacheTooSmall
     from engine.llm import LLM
 
     config = engine_config_from_args(args, parser)
-    return LLM.from_config(config)
+    _check_engine(config, parser, f"pdserve {args.command}")
+    try:
+        return LLM.from_config(config)
+    except KVCacheTooSmall as exc:  # a budget of free memory: known only once the model is in
+        parser.exit(2, f"pdserve {args.command}: {exc}\n")
 
 
 def cmd_generate(args, parser) -> int:
@@ -61,21 +69,50 @@ def cmd_chat(args, parser) -> int:
         print(("assistant> " if interactive else "") + out.text, flush=True)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, as `vllm serve --help` shows it; a default of
+    None or False (unset, or a switch that is off) is left out, its help text says what unset
+    means. Descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse.ArgumentParser with HelpFormatter; add_subparsers makes every command's
+    parser one too, so a command added later shows its defaults without being told."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _add_command(sub, name: str, text: str, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A subcommand whose one-line help (in `pdserve --help`) is also its --help description."""
+    return sub.add_parser(name, parents=[common], help=text, description=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
+    parser = Parser(prog="pdserve", description="prefill/decode disaggregated LLM serving")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    common.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (any case)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", parents=[common], help="complete prompts with the engine in this process")
+    gen = _add_command(sub, "generate", "complete prompts with the engine in this process", common)
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
     gen.add_argument("--echo", action="store_true", help="print the prompt before its completion")
     add_engine_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", parents=[common], help="chat with the model's chat template (stdin lines)")
-    chat.add_argument("--system", default=None, help="system message")
+    chat = _add_command(sub, "chat", "chat with the model's chat template (stdin lines)", common)
+    chat.add_argument("--system", default=None, help="system message (unset: none)")
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -83,44 +120,43 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.worker_main import add_worker_args, run_worker
 
     for role, text in (("prefill", "run a prefill worker (gRPC)"), ("decode", "run a decode worker (gRPC)")):
-        worker = sub.add_parser(role, parents=[common], help=text)
+        worker = _add_command(sub, role, text, common)
         add_worker_args(worker)
         worker.set_defaults(func=lambda args, parser, role=role: run_worker(role, args, parser))
 
     from pdserve.router_main import add_router_args, run_router
 
-    router = sub.add_parser("router", parents=[common], help="run the router (OpenAI HTTP + gRPC)")
+    router = _add_command(sub, "router", "run the router (OpenAI HTTP + gRPC)", common)
     add_router_args(router)
     add_config_arg(router)
     router.set_defaults(func=run_router)
 
     from pdserve.plan import add_plan_args, run_plan
 
-    plan = sub.add_parser("plan", parents=[common], help="KV capacity and a prefill:decode ratio, before running")
+    plan = _add_command(sub, "plan", "KV capacity and a prefill:decode ratio, before running", common)
     add_plan_args(plan)
     plan.set_defaults(func=lambda args, parser, plan=plan: run_plan(args, plan))
 
-    bench = sub.add_parser("bench", parents=[common],
-                           help="load-test an OpenAI-compatible server (flags of `vllm bench serve`)")
+    bench = _add_command(sub, "bench", "load-test an OpenAI-compatible server (flags of `vllm bench serve`)", common)
     from pdserve.bench.args import add_bench_args
 
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
-    up = sub.add_parser("up", parents=[common], help="run a whole cluster (local processes, or Ray actors)")
+    up = _add_command(sub, "up", "run a whole cluster (local processes, or Ray actors)", common)
     add_up_args(up)
     up.set_defaults(func=cmd_up)
 
     from pdserve.launchers.ray.args import add_down_args
 
-    down = sub.add_parser("down", parents=[common], help="stop a cluster started by `pdserve up --launcher ray`")
+    down = _add_command(sub, "down", "stop a cluster started by `pdserve up --launcher ray`", common)
     add_down_args(down)
     down.set_defaults(func=cmd_down)
 
     from pdserve.scale_client import add_scale_args, cmd_scale
 
-    scale = sub.add_parser("scale", parents=[common],
-                           help="set a role's replicas through the router (no assignments: show the roles)")
+    scale = _add_command(sub, "scale", "set a role's replicas through the router (no assignments: show the roles)",
+                         common)
     add_scale_args(scale)
     scale.set_defaults(func=cmd_scale)
     return parser
@@ -132,13 +168,15 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--decode", type=int, default=1, help="decode workers")
     g.add_argument("--colocated", action="store_true",
                    help="no prefill workers: --decode workers prefill and decode (the baseline)")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="address the router binds (HTTP and gRPC)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
-    g.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    g.add_argument("--cluster", default="default")
-    g.add_argument("--kv-transfer", default="gloo")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--redis-url", type=parse_redis_url, default=None, help="use this Redis instead of an embedded one")
+    g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
+    g.add_argument("--kv-transfer", default="gloo", choices=KV_TRANSFER_BACKENDS.names(),
+                   help="KV transfer backend between prefill and decode workers")
+    g.add_argument("--api-key", default=None,
+                   help="require this bearer token (visible in ps: prefer PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a worker being removed (scale-down, Ctrl-C) may finish its in-flight "
                         "requests; past it they end with an explicit error")
@@ -162,7 +200,8 @@ def cmd_bench(args, parser) -> int:
 
 
 def cmd_up(args, parser) -> int:
-    from pdserve.launchers.local import run_up
+    from pdserve.launchers.local import busy_port, run_up
+    from pdserve.preflight import redis_auth_problem
     from pdserve.specs import RouterSpec, engine_config_from
 
     for role in ("prefill", "decode"):
@@ -172,11 +211,17 @@ def cmd_up(args, parser) -> int:
         parser.error(f"--drain-timeout must be >= 0; got {args.drain_timeout}")
     try:  # every spec `up` will launch, checked before anything starts
         RouterSpec.from_args(args)
-        engine_config_from(args)
+        config = engine_config_from(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.launcher == "ray":
+    problem = busy_port(args)  # exit 1: the machine's state (or environment), not a flag
+    if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
+        print(f"pdserve up: {problem}", file=sys.stderr, flush=True)
+        return 1
+    _check_key_files()
+    if args.launcher == "ray":  # the workers load on the nodes Ray picks (their devices, their model files)
         return run_up(args, ray_cluster_class(parser, args))
+    _check_engine(config, parser, "pdserve up")
     return run_up(args)
 
 
@@ -201,6 +246,30 @@ def cmd_down(args, parser) -> int:
     except ImportError as exc:
         parser.exit(2, f"pdserve down: Ray is not installed ({exc}); pip install 'pdserve[ray]'\n")
     return run_down(args)
+
+
+def _check_key_files() -> None:
+    """The API and admin keys the router will read from $PDSERVE_*_KEY_FILE: an unreadable or
+    empty file ends `up` now (one line, exit 1), not the router after the workers loaded."""
+    from pdserve.router_main import key_from
+
+    for env in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_KEY"):
+        try:
+            key_from(None, "", env)
+        except SystemExit as exc:
+            raise SystemExit(f"pdserve up: {exc}") from None
+
+
+def _check_engine(config, parser: argparse.ArgumentParser, program: str) -> None:
+    """Settings every engine would refuse after loading the model (pdserve.preflight: no such
+    model, a KV cache too small for one max_model_len request, ...) end the command here: one
+    line, exit 2, nothing started."""
+    from pdserve.preflight import check_engine_settings
+
+    try:
+        check_engine_settings(config)
+    except (ValueError, OSError) as exc:
+        parser.exit(2, f"{program}: {exc}\n")
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

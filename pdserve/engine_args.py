@@ -20,28 +20,46 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * units[unit])
 
 
+def parse_redis_url(text: str) -> str:
+    """A --redis-url: redis://, rediss:// (TLS) or unix:// (checked here, where a flag's or a
+    --config file's value is parsed, rather than by the Redis client once processes run)."""
+    scheme = text.partition("://")[0].lower() if "://" in text else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        raise argparse.ArgumentTypeError(
+            f"not a Redis URL: {text!r} (redis://HOST:PORT/DB, rediss://... for TLS, or unix://PATH)")
+    return text
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", choices=DTYPES, default="auto")
-    g.add_argument("--device", choices=DEVICES, default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model file's name)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and activations (auto: bfloat16 on GPUs and AVX512-BF16 CPUs, else float32)")
+    g.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the engine runs (auto: cuda if available, else cpu)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of device memory (CPU: of available memory) for weights + KV cache")
+                   help="share of device memory (CPU: of available memory) for weights + KV cache "
+                        "(unset: 0.9 on GPU; on CPU --kv-cache-memory decides)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2GiB (CPU default: 2GiB)")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV blocks (unset: from the memory budget)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache element type (auto: the model dtype)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of a shared prompt prefix")
     g.add_argument("--swap-space", type=float, default=0,
                    help="GiB of host memory per worker for swapped-out KV blocks (0: preempt by recompute)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one engine step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens in one engine step (chunked prefill)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     g.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run linears on oneDNN-packed weights (faster; last bits differ from F.linear)")
     add_config_arg(g)

@@ -7,25 +7,32 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
+
+from pdserve.engine_args import parse_redis_url
 
 logger = logging.getLogger(__name__)
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
     g.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     g.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port (0: any free port)")
-    g.add_argument("--redis-url", default=None, help="cluster state written by the workers")
-    g.add_argument("--cluster", default="default")
-    g.add_argument("--model", default=None, help="model file or folder (its tokenizer and name)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--redis-url", type=parse_redis_url, default=None,
+                   help="cluster state written by the workers (unset: no workers are seen)")
+    g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
+    g.add_argument("--model", default=None,
+                   help="model file or folder: its tokenizer and name (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model file's name)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--api-key", default=None,
                    help="require this bearer token (or set PDSERVE_API_KEY / PDSERVE_API_KEY_FILE)")
-    g.add_argument("--ticket-timeout", type=float, default=60.0)
+    g.add_argument("--ticket-timeout", type=float, default=60.0,
+                   help="seconds a decode worker holds blocks reserved for a prompt whose KV has not arrived")
     g.add_argument("--ready-file", default=None, help="write 'http_port grpc_port' here when serving")
     # Takes an optional value so that `pdserve up` can pass it on like ROUTING_FLAGS
     # (`--colocated True|False`); `--colocated` alone means True.
@@ -110,7 +117,10 @@ def key_from(flag_value: str | None, flag: str, env: str) -> str | None:
     key_file = os.environ.get(f"{env}_FILE")
     if not key_file:
         return None
-    key = Path(key_file).read_text().strip()
+    try:
+        key = Path(key_file).read_text().strip()
+    except OSError as exc:  # a setting, not a bug: one line, no traceback
+        raise SystemExit(f"{env}_FILE {key_file}: cannot read it ({exc.strerror})") from None
     if not key:
         raise SystemExit(f"{env}_FILE {key_file} is empty: refusing to serve without the key it promises")
     return key
@@ -339,5 +349,11 @@ def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Ta
 
 
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.preflight import port_problem, redis_auth_problem
+
+    problem = port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
+    if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
+        print(f"pdserve router: {problem}", file=sys.stderr, flush=True)  # before the tokenizer loads
+        return 1
     asyncio.run(serve_router(args))
     return 0

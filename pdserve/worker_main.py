@@ -9,9 +9,12 @@ import argparse
 import ctypes
 import logging
 import os
+import sys
 
+from engine.capacity import KVCacheTooSmall
 from kv_transfer.base import KV_TRANSFER_BACKENDS
-from pdserve.engine_args import add_engine_args
+from pdserve.engine_args import add_engine_args, parse_redis_url
+from pdserve.preflight import check_engine_settings, port_problem, redis_auth_problem
 from pdserve.specs import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -19,16 +22,20 @@ logger = logging.getLogger(__name__)
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("worker")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     g.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0: any free port)")
-    g.add_argument("--redis-url", default=None, help="cluster state (heartbeats); none: no registration")
+    g.add_argument("--redis-url", type=parse_redis_url, default=None,
+                   help="cluster state (heartbeats); none: no registration")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
-    g.add_argument("--worker-id", default=None)
-    g.add_argument("--kv-transfer", default="gloo", choices=KV_TRANSFER_BACKENDS.names())
+    g.add_argument("--worker-id", default=None,
+                   help="name in the cluster state and logs (default: ROLE-<8 random hex digits>)")
+    g.add_argument("--kv-transfer", default="gloo", choices=KV_TRANSFER_BACKENDS.names(),
+                   help="KV transfer backend between prefill and decode workers")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds per KV transfer step")
-    g.add_argument("--heartbeat-interval", type=float, default=1.0)
-    g.add_argument("--heartbeat-ttl", type=float, default=5.0)
+    g.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats written to Redis")
+    g.add_argument("--heartbeat-ttl", type=float, default=5.0,
+                   help="seconds a heartbeat lives in Redis: a worker silent this long leaves the routers' view")
     g.add_argument("--kv-snapshot-interval", type=float, default=10.0,
                    help="seconds between full snapshots of cached block hashes for routers")
     g.add_argument("--drain-timeout", type=float, default=60.0,
@@ -70,11 +77,34 @@ def worker_spec_from_args(role: str, args: argparse.Namespace, parser: argparse.
         raise  # unreachable: parser.error exits
 
 
+def preflight(role: str, spec: WorkerSpec) -> int | None:
+    """What the worker would refuse after loading its model, checked before (pdserve.preflight):
+    None when all is well, else the exit code after one line on stderr, no traceback: 2 for an
+    engine setting, 1 for a port that is taken or Redis credentials that cannot be read."""
+    problem = port_problem(spec.host, (("--port", spec.port), ("--metrics-port", spec.metrics_port)))
+    if problem is not None or (spec.redis_url and (problem := redis_auth_problem()) is not None):
+        print(f"pdserve {role}: {problem}", file=sys.stderr, flush=True)
+        return 1
+    try:  # after the ports: this one imports torch
+        check_engine_settings(spec.engine)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return None
+
+
 def run_worker(role: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from proto.internal_auth import require_cluster_secret
-    from worker_runtime.process import WorkerProcess
 
     spec = worker_spec_from_args(role, args, parser)
     secret = require_cluster_secret(f"pdserve {role}")  # before the model loads: fail fast
+    if (code := preflight(role, spec)) is not None:
+        return code
+    from worker_runtime.process import WorkerProcess  # torch, the engine: after the checks
+
     tune_allocator()
-    return WorkerProcess(spec, secret).run()
+    try:
+        return WorkerProcess(spec, secret).run()
+    except KVCacheTooSmall as exc:  # a setting, found once the model is read: one line, no traceback
+        print(f"pdserve {role}: {exc}", file=sys.stderr, flush=True)
+        return 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.args import DATASETS, parse_goodput, parse_key_values, parse_percentiles
+from pdserve.bench.args import DATASETS, base_url_from, parse_goodput, parse_key_values, parse_percentiles
 from pdserve.bench.client import Endpoint
 from pdserve.bench.datasets import SampleRequest, prefix_requests, random_requests
 from pdserve.bench.datasets_files import jsonl_requests, sharegpt_requests
@@ -96,7 +96,7 @@ async def bench(args: argparse.Namespace) -> int:
     printed = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     if unknown := set(printed) - set(METRICS):
         raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; use {', '.join(METRICS)}")
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    base_url = base_url_from(args)
     headers = auth_headers(args)
     model = args.model or await first_model(base_url, headers)
     source = tokenizer_source(args)

@@ -265,6 +265,18 @@ class LocalCluster:
         return f"redis {redact_url(self.redis_url)}; Ctrl-C drains and stops everything."
 
 
+
+def busy_port(args: argparse.Namespace) -> str | None:
+    """Why the router could not bind its ports (--port, --grpc-port), or None when both are
+    free: checked before Redis or any worker starts, so a taken port costs a fraction of a
+    second, not a model load (pdserve.preflight.port_problem). The embedded Redis and the
+    workers pick free ports of their own."""
+    from pdserve.preflight import port_problem
+
+    return port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
+
+
+
 def run_up(args: argparse.Namespace, cluster_class: type[LocalCluster] = LocalCluster) -> int:
     signals = Signals()
     signals.install()  # also when SIGINT was inherited ignored (`make run &`)

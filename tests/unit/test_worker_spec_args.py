@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import pdserve.worker_main
 import worker_runtime.process
 from engine.config import EngineConfig
 from pdserve.cli import main
@@ -27,6 +28,9 @@ class CapturedProcess:
 @pytest.fixture(autouse=True)
 def captured(monkeypatch) -> list[WorkerSpec]:
     monkeypatch.setattr(worker_runtime.process, "WorkerProcess", CapturedProcess)
+    # The specs name models and hosts that do not exist here: the pre-load checks are tested in
+    # test_preflight.py and through the CLI in test_cli_preflight.py.
+    monkeypatch.setattr(pdserve.worker_main, "preflight", lambda role, spec: None)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # tune_allocator leaves this test process alone
     CapturedProcess.specs = []
     return CapturedProcess.specs

@@ -100,9 +100,10 @@ class ComponentActor:
     def _run_worker(self) -> int:
         from dataclasses import replace
 
+        from engine.capacity import KVCacheTooSmall
         from pdserve.cli import build_parser
-        from pdserve.worker_main import tune_allocator
         from pdserve.specs import WorkerSpec
+        from pdserve.worker_main import preflight, tune_allocator
         from proto.internal_auth import require_cluster_secret
         from worker_runtime.process import WorkerProcess
 
@@ -110,11 +111,18 @@ class ComponentActor:
         spec = WorkerSpec.from_args(build_parser().parse_args(self._argv), role)
         if self._bind_node:
             spec = replace(spec, host=ray.util.get_node_ip_address())
+        secret = require_cluster_secret(f"pdserve {role}")
+        if (code := preflight(role, spec)) is not None:  # on this node: its model file, its device
+            return code
         tune_allocator()
-        self._worker = WorkerProcess(spec, require_cluster_secret(f"pdserve {role}"), handle_signals=False)
+        self._worker = WorkerProcess(spec, secret, handle_signals=False)
         watcher = threading.Thread(target=self._watch_worker, name="ready-watch", daemon=True)
         watcher.start()
-        return self._worker.run()
+        try:
+            return self._worker.run()
+        except KVCacheTooSmall as exc:  # a setting, found once the model is read: one line, no traceback
+            logger.error("%s: %s", self._name, exc)
+            return 2
 
     def _watch_worker(self) -> None:
         worker = self._worker
