@@ -82,7 +82,7 @@ def test_up_help_through_the_real_cli_lists_config_and_shows_defaults():
     result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--help"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
-    assert "\n\nrun a whole cluster on this machine\n\n" in result.stdout
+    assert "\n\nrun a whole cluster (local processes, or Ray actors)\n\n" in result.stdout
     words = " ".join(result.stdout.split())
     assert "--config CONFIG YAML file of flag values, keys are the flag names (flags given here win)" in words
     assert "--max-num-seqs MAX_NUM_SEQS most requests in one engine step (default: 256)" in words
