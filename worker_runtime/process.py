@@ -169,7 +169,7 @@ class WorkerProcess:
         self._server = grpc.aio.server(interceptors=[ClusterAuthServerInterceptor(self._secret)],
                                        options=grpc_message_options())
         port = self._server.add_insecure_port(f"{spec.host}:{spec.port}")
-        self.address = f"{spec.host}:{port}"
+        self.address = f"{spec.advertised_host}:{port}"  # what peers dial; the bind may be 0.0.0.0
         self.role.add_to_server(self._servicer(), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -200,7 +200,7 @@ class WorkerProcess:
         from worker_runtime.heartbeat import HeartbeatPublisher, heartbeat_info
         from worker_runtime.kv_events import KVEventPublisher
 
-        metrics_address = f"{spec.host}:{self.metrics_port}"
+        metrics_address = f"{spec.advertised_host}:{self.metrics_port}"
         self._heartbeat = HeartbeatPublisher(  # Redis credentials: from the environment
             spec.redis_url, spec.cluster, lambda: heartbeat_info(self.status(), self.address, metrics_address),
             interval_s=spec.heartbeat_interval_s, ttl_s=spec.heartbeat_ttl_s, secret=self._secret)
@@ -217,7 +217,7 @@ class WorkerProcess:
             with open(self.spec.ready_file, "w") as f:
                 f.write(f"{port} {self.metrics_port}\n")
         print(f"pdserve {self.spec.role} worker {self.worker.worker_id}: gRPC {self.address}, metrics "
-              f"http://{self.spec.host}:{self.metrics_port}/metrics", flush=True)
+              f"http://{self.spec.advertised_host}:{self.metrics_port}/metrics", flush=True)
 
     async def _shutdown(self) -> None:
         """Stop in dependency order, each step bounded: calls first, then the Redis entries,
