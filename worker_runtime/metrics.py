@@ -3,10 +3,14 @@ the worker's drain state. Everything dynamic is read from one frozen WorkerStatu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from worker_runtime.status import WorkerState, WorkerStatus
 
@@ -101,10 +105,28 @@ def capacity_metrics(core, labels: dict[str, str]) -> list[GaugeMetricFamily]:
     return families
 
 
-def serve_metrics(collector: WorkerCollector, host: str, port: int):
-    """Start the /metrics HTTP server in a daemon thread; returns (server, bound port). The
-    caller shuts the server down (server.shutdown()) when the worker stops."""
+def serve_metrics(collector: WorkerCollector, host: str, port: int,
+                  routes: Mapping[str, Callable] | None = None):
+    """Start the worker's HTTP server (/metrics, plus the probe `routes`:
+    worker_runtime/probes.py) in a daemon thread; returns (server, bound port). The caller
+    shuts the server down (server.shutdown()) when the worker stops."""
+    from worker_runtime.probes import with_probe_routes
+
     registry = CollectorRegistry()
     registry.register(collector)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    app = with_probe_routes(make_wsgi_app(registry), routes or {})
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                            flags=socket.AI_PASSIVE)[0][0]
+
+    server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="worker-http", daemon=True).start()
     return server, server.server_port
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape or probe."""
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 — the base class's name
+        pass

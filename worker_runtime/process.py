@@ -3,7 +3,8 @@
 `WorkerProcess(spec, secret).run()` builds the role's worker (worker_runtime/roles.py), then
 
     STARTING  gRPC server (cluster-auth interceptor; health and reflection open for probes),
-              /metrics, heartbeat and block events into Redis, the ready file
+              /metrics and the probes (probes.py), heartbeat and block events into Redis,
+              the ready file
       -> SERVING   until the first SIGTERM/SIGINT, or a Drain RPC (the servicer's request_drain)
       -> DRAINING  marked "draining" in Redis at once (one beat, not the next interval), gRPC
                    health NOT_SERVING; one router snapshot period later (routers have stopped
@@ -36,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.limits import grpc_message_options
 from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics
+from worker_runtime.probes import WorkerProbes
 from worker_runtime.roles import role_def
 from worker_runtime.status import DrainResult, WorkerState, WorkerStatus
 
@@ -68,6 +70,9 @@ class WorkerProcess:
         self.address: str | None = None
         self.metrics_port: int | None = None
         self.drain_result: DrainResult | None = None
+        self.probes: WorkerProbes | None = None
+        """/startupz, /livez, /readyz on the metrics port; set once that server starts."""
+        self._grpc_serving = False
         self._server: grpc.aio.Server | None = None
         self._health = None
         self._metrics_server = None
@@ -177,6 +182,7 @@ class WorkerProcess:
             (self.role.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self._start_metrics()
         await self._server.start()
+        self._grpc_serving = True
         if self.state is WorkerState.STARTING:  # a Drain call may have come in the moment the server started
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self.state = WorkerState.SERVING
@@ -190,7 +196,19 @@ class WorkerProcess:
     def _start_metrics(self) -> None:
         labels = {"role": self.spec.role, "worker_id": self.worker.worker_id}
         collector = WorkerCollector(self.status, capacity_metrics(self.worker.core, labels))
-        self._metrics_server, self.metrics_port = serve_metrics(collector, self.spec.host, self.spec.metrics_port)
+        self.probes = WorkerProbes(lambda: self.state, lambda: self._grpc_serving, self._registration_problem,
+                                   self.worker.loop.progress, self.spec.liveness_stall_s)
+        self._metrics_server, self.metrics_port = serve_metrics(collector, self.spec.host, self.spec.metrics_port,
+                                                                self.probes.routes())
+
+    def _registration_problem(self) -> str | None:
+        """/readyz's "registered": None when routers can see this worker (or it uses no Redis)."""
+        if self.spec.redis_url is None:
+            return None
+        heartbeat = self._heartbeat
+        if heartbeat is None or heartbeat.beats == 0:
+            return "not registered in Redis yet"
+        return None if heartbeat.redis_ok else "heartbeats to Redis are failing (routers may drop this worker)"
 
     def _start_publishers(self) -> None:
         spec, worker = self.spec, self.worker
