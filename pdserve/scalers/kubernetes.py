@@ -147,7 +147,7 @@ class KubernetesScaler:
 
     async def _call(self, method: str, role: str, call, resource: str = "deployments/scale"):
         """One API request; its errors as ScalerUnavailable naming what failed (the one map)."""
-        from httpx2 import HTTPError
+        from httpx2 import HTTPError, TimeoutException
         from lightkube.core.exceptions import ApiError
 
         target = f"{resource} {self._deployment(role)!r}" if resource != "pods" else "pods"
@@ -163,6 +163,8 @@ class KubernetesScaler:
                                         f"namespace {self.namespace!r} (HTTP {code}: {exc.status.message})") from None
             raise ScalerUnavailable(f"the Kubernetes API answered HTTP {code} to {method} {target}: "
                                     f"{exc.status.message}") from None
+        except TimeoutException:
+            raise ScalerUnavailable(self._no_answer()) from None
         except (HTTPError, OSError) as exc:
             raise ScalerUnavailable(f"cannot reach the Kubernetes API server: {exc or type(exc).__name__}") from None
 
@@ -170,8 +172,10 @@ class KubernetesScaler:
         try:
             return await asyncio.wait_for(call, self.settings.timeout_s + 0.5)
         except asyncio.TimeoutError:
-            raise ScalerUnavailable(f"the Kubernetes API server did not answer within "
-                                    f"{self.settings.timeout_s:g} s") from None
+            raise ScalerUnavailable(self._no_answer()) from None
+
+    def _no_answer(self) -> str:
+        return f"the Kubernetes API server did not answer within {self.settings.timeout_s:g} s"
 
     def _deployment(self, role: str) -> str:
         return self.settings.deployments[role]

@@ -45,3 +45,17 @@ def test_worker_flags_default_to_no_advertise_host_and_a_60_s_stall():
     spec = WorkerSpec.from_args(build_parser().parse_args(["prefill"]))
     assert (spec.advertise_host, spec.liveness_stall_s) == (None, 60.0)
     assert "--advertise-host" not in spec.to_argv()
+
+
+@pytest.mark.parametrize("host,advertised", [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"),
+                                             ("127.0.0.1", "127.0.0.1"), ("10.0.0.4", "10.0.0.4")])
+def test_pdserve_up_workers_bound_to_all_addresses_advertise_loopback(host, advertised):
+    import shutil
+
+    from pdserve.launchers.local import LocalCluster
+
+    cluster = LocalCluster(build_parser().parse_args(["up", "--host", host]))
+    try:
+        assert cluster._worker_spec("decode", "decode-0").advertised_host == advertised
+    finally:
+        shutil.rmtree(cluster.workdir)
