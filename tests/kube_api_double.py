@@ -73,6 +73,7 @@ def pod_list(restarts: list[int]) -> dict:
 
 class _Handler(BaseHTTPRequestHandler):
     state: KubeState
+    timeout = 20  # seconds a connection may sit idle (a client that never speaks)
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -173,7 +174,10 @@ class KubeApiDouble:
         self._server.handle_error = lambda request, address: None  # a client that gave up on a hung reply
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
-        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        # The handshake happens in each request's thread (on its first read), never in the accept
+        # loop, where one stalled client would hold up every other request and the shutdown.
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                  do_handshake_on_connect=False)
         self.url = f"https://127.0.0.1:{self._server.server_port}"
         self.kubeconfig = directory / "kubeconfig"
         self.kubeconfig.write_text(json.dumps({
