@@ -140,8 +140,9 @@ class KubernetesScaler:
             return 0
 
         async def count() -> int:
-            return sum(c.restartCount for pod in [p async for p in self._client.list(Pod, labels=labels)]
-                       for c in (pod.status.containerStatuses or [] if pod.status else []))
+            pods = [pod async for pod in self._client.list(Pod, labels=labels)]
+            return sum(container.restartCount for pod in pods if pod.status
+                       for container in pod.status.containerStatuses or [])
 
         return await self._call("LIST", role, count(), resource="pods")
 
@@ -150,7 +151,7 @@ class KubernetesScaler:
         from httpx2 import HTTPError, TimeoutException
         from lightkube.core.exceptions import ApiError
 
-        target = f"{resource} {self._deployment(role)!r}" if resource != "pods" else "pods"
+        target = "pods" if resource == "pods" else f"{resource} {self._deployment(role)!r}"
         try:
             return await call
         except ApiError as exc:
