@@ -1,7 +1,8 @@
 """A real WorkerProcess (tiny model, gloo data channel, real Redis) answers its Kubernetes
 probes truthfully over HTTP on its metrics port: /startupz fails before the gRPC server serves,
 /readyz waits for the first heartbeat and fails from the moment a drain starts, and /livez fails
-within the stall bound when the engine loop thread is wedged, and recovers when it moves again.
+within the stall bound when the engine loop thread is wedged (in a command, or in a step while a
+request runs), and recovers when it moves again.
 
 The process is served on this test's own event loop (the main thread, as `pdserve decode` does),
 and the probes are fetched with real HTTP requests from worker threads."""
@@ -9,6 +10,7 @@ and the probes are fetched with real HTTP requests from worker threads."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,11 +18,12 @@ import httpx
 import pytest
 
 from engine.loader.locate import default_model_path
+from engine.sampling_params import SamplingParams
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.specs import WorkerSpec
 from proto.auth import load_cluster_secret
 from router.redis_settings import PASSWORD_ENV
-from tests.lifecycle.pd_pair import config, loop_held
+from tests.lifecycle.pd_pair import config, loop_held, prompt
 from worker_runtime.process import WorkerProcess
 from worker_runtime.status import WorkerState
 
@@ -134,6 +137,34 @@ def test_a_wedged_engine_loop_fails_liveness_within_the_stall_bound_and_recovers
     assert live[1].rstrip().endswith("(--liveness-stall 1.5; 0 steps so far)")
     assert ready[0] == 503 and ready[1].startswith("the engine loop has made no progress for ")  # serves nobody
     assert recovered
+
+
+def test_a_step_that_never_returns_while_a_request_runs_fails_liveness(tiny_model_dir, monkeypatch):
+    process = built(tiny_model_dir, None)
+    release = threading.Event()
+    real_step = process.worker.core.step
+
+    def wedged_step():
+        release.wait(30)
+        return real_step()
+
+    async def body():
+        monkeypatch.setattr(process.worker.core, "step", wedged_step)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        _, outputs = await process.worker.admit("wedge-1", prompt(24, 1), params, 60.0, local_prefill=True)
+        failed = await wait_for(lambda: _is_code(get(process, "/livez"), 503), STALL_S + 10)
+        reason = (await get(process, "/livez"))[1]
+        release.set()
+        tokens = []
+        while (item := await asyncio.wait_for(outputs.get(), 30)).finish_reason is None:
+            tokens += item.new_token_ids
+        tokens += item.new_token_ids
+        recovered = await wait_for(lambda: _is(get(process, "/livez"), (200, "ok\n")), 10)
+        return failed, reason, len(tokens), recovered
+
+    failed, reason, n_tokens, recovered = asyncio.run(served(process, body))
+    assert failed and reason.startswith("the engine loop has made no progress for ")
+    assert (n_tokens, recovered) == (4, True)  # once the step returns, the request finishes
 
 
 async def _is(call, expected) -> bool:
