@@ -67,15 +67,20 @@ class KubernetesSettings:
         return cls(namespace=environ.get(NAMESPACE_ENV) or None, deployments=names)
 
 
-def load_config(environ: Mapping[str, str] = os.environ):
-    """The API server and credentials: $KUBECONFIG when set, else in-cluster. Raises ValueError
-    saying which was tried."""
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where Kubernetes mounts a pod's service-account token, CA and namespace."""
+
+
+def load_config(environ: Mapping[str, str] = os.environ, service_account: str = SERVICE_ACCOUNT_DIR):
+    """The API server and credentials: $KUBECONFIG when set, else in-cluster (the service
+    account's files, and $KUBERNETES_SERVICE_HOST/PORT from the process environment). Raises
+    ValueError saying which was tried."""
     from lightkube import KubeConfig
     from lightkube.core.exceptions import ConfigError
 
     path = environ.get("KUBECONFIG")
     try:
-        return KubeConfig.from_file(path) if path else KubeConfig.from_service_account()
+        return KubeConfig.from_file(path) if path else KubeConfig.from_service_account(service_account)
     except (ConfigError, KeyError, OSError) as exc:
         where = f"the kubeconfig {path!r}" if path else "the in-cluster service account (no $KUBECONFIG)"
         raise ValueError(f"cannot load the Kubernetes API settings from {where}: {exc}") from None

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pdserve.scalers import make_scaler
-from pdserve.scalers.kubernetes import KubernetesScaler, KubernetesSettings
+from pdserve.scalers.kubernetes import KubernetesScaler, KubernetesSettings, load_config
 from router.ops.scaling import RoleScale, ScaleError, ScalerUnavailable
 from tests.kube_api_double import NAMESPACE, TOKEN, KubeApiDouble, KubeState, selector_of
 from tests.service.test_router_roles_process import stop
@@ -119,6 +119,30 @@ def test_an_unreachable_api_server_is_unavailable(api):
     api.__exit__(None, None, None)  # nothing listens there any more
     with pytest.raises(ScalerUnavailable, match="^cannot reach the Kubernetes API server: "):
         call(lambda s: s.desired())
+
+
+def test_in_cluster_the_service_accounts_token_ca_and_namespace_are_used(api, tmp_path, monkeypatch):
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text(TOKEN)
+    (account / "namespace").write_text(NAMESPACE)
+    (account / "ca.crt").write_bytes((tmp_path / "api.crt").read_bytes())  # the double's own CA
+    monkeypatch.delenv("KUBECONFIG")
+    monkeypatch.delenv("POD_NAMESPACE")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", api.url.rsplit(":", 1)[1])
+
+    async def go():
+        scaler = KubernetesScaler(None, "default", None, config=load_config(service_account=str(account)))
+        try:
+            return scaler.namespace, await scaler.scale("prefill", 4)
+        finally:
+            await scaler.aclose()
+
+    assert asyncio.run(go()) == (NAMESPACE, RoleScale("prefill", 4, 0))
+    patch = api.state.requests[0]
+    assert (patch.method, patch.path, patch.headers["authorization"]) == (
+        "PATCH", SCALE.format(PREFILL), f"Bearer {TOKEN}")
 
 
 def test_settings_come_from_the_environment_with_documented_defaults():
