@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.core import EngineCore
@@ -24,6 +25,19 @@ T = TypeVar("T")
 
 OutputSink = Callable[[EngineCoreOutput], None]
 """Called on the loop thread with each output of its request; must not block."""
+
+
+@dataclass(frozen=True)
+class LoopProgress:
+    """How the loop thread is doing, for a liveness probe (any thread)."""
+
+    alive: bool
+    """The thread has started and not ended."""
+    last_progress_at: float
+    """time.monotonic() at the end of the loop's last iteration: after a step when it had work,
+    after a short idle wait when it had none. A loop stuck in a step, a command or a poll
+    hook stops advancing it."""
+    steps: int
 
 
 class ServingLoop:
@@ -38,14 +52,20 @@ class ServingLoop:
         self.stats = core.stats()
         """A frozen snapshot of the core, refreshed by the loop thread; safe to read anywhere."""
         self._stats_at = 0.0
+        self._progress_at = time.monotonic()
 
     def start(self) -> None:
+        self._progress_at = time.monotonic()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout)
+
+    def progress(self) -> LoopProgress:
+        """Any thread; never waits for the loop."""
+        return LoopProgress(self._thread.is_alive(), self._progress_at, self.steps)
 
     def add_poll_hook(self, hook: Callable[[], None]) -> None:
         """Run `hook` on the loop thread every iteration (e.g. poll KV transfers)."""
@@ -120,6 +140,7 @@ class ServingLoop:
                 self.steps += 1
                 for output in outputs:
                     self.deliver(output)
+            self._progress_at = time.monotonic()
 
     def _drain_commands(self) -> None:
         while True:

@@ -80,6 +80,17 @@ def _check_port(name: str, value: int) -> None:
         raise ValueError(f"{name} must be 0..65535; got {value!r}")
 
 
+_BIND_ALL = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def _check_advertised(host: str, name: str) -> None:
+    """A worker's advertised address must be one a peer can dial."""
+    if host in _BIND_ALL:
+        raise ValueError(f"{name} {host!r} cannot be advertised: peers cannot dial a bind-all address; "
+                         "pass --advertise-host with an address of this host that peers reach "
+                         "(in Kubernetes, the pod IP)")
+
+
 def _check_positive(owner: object, *names: str) -> None:
     for name in names:
         if not getattr(owner, name) > 0:
@@ -113,11 +124,15 @@ class WorkerSpec:
     worker_id: str | None = None
     """Stable name (survives restarts; each start gets a new incarnation). None: generated."""
     host: str = "127.0.0.1"
-    """Address to bind and to advertise (localhost only by default)."""
+    """Address to bind the gRPC and HTTP servers to (localhost only by default)."""
+    advertise_host: str | None = None
+    """Address peers dial: registered in Redis, put in tickets, and the KV data channel's own
+    (it binds and advertises it, so it must be an address of this host, e.g. a pod's IP).
+    None: `host`. Never a bind-all address: a peer cannot dial 0.0.0.0."""
     port: int = 0
     """gRPC port (0: any free port)."""
     metrics_port: int = 0
-    """HTTP /metrics port (0: any free port)."""
+    """HTTP port of /metrics and the probes /livez, /readyz, /startupz (0: any free port)."""
     redis_url: str | None = None
     """Cluster state (heartbeats, block events); None: the worker does not register."""
     cluster: str = "default"
@@ -130,6 +145,9 @@ class WorkerSpec:
     drain_timeout_s: float = 60.0
     """On SIGTERM or Drain: the longest wait for in-flight requests before they end with an
     explicit error."""
+    liveness_stall_s: float = 60.0
+    """/livez fails once the engine loop has had work this long without finishing a step (a
+    wedged loop; Kubernetes then restarts the pod)."""
     ready_file: str | None = None
     """Written with 'grpc_port metrics_port' once serving (how a launcher learns the ports)."""
     log_level: str = "INFO"
@@ -144,7 +162,8 @@ class WorkerSpec:
         for name in ("port", "metrics_port"):
             _check_port(name, getattr(self, name))
         _check_positive(self, "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s",
-                        "kv_snapshot_interval_s")
+                        "kv_snapshot_interval_s", "liveness_stall_s")
+        _check_advertised(self.advertised_host, "advertise_host" if self.advertise_host is not None else "host")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
@@ -153,6 +172,11 @@ class WorkerSpec:
         if not self.cluster:
             raise ValueError("cluster must not be empty")
         _check_logging(self)
+
+    @property
+    def advertised_host(self) -> str:
+        """The address peers dial: advertise_host, else host."""
+        return self.host if self.advertise_host is None else self.advertise_host
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, role: str | None = None) -> WorkerSpec:
@@ -169,9 +193,10 @@ class WorkerSpec:
                 "--heartbeat-interval", str(self.heartbeat_interval_s),
                 "--heartbeat-ttl", str(self.heartbeat_ttl_s),
                 "--kv-snapshot-interval", str(self.kv_snapshot_interval_s),
-                "--drain-timeout", str(self.drain_timeout_s), "--log-level", self.log_level]
-        for flag, value in (("--worker-id", self.worker_id), ("--redis-url", self.redis_url),
-                            ("--ready-file", self.ready_file)):
+                "--drain-timeout", str(self.drain_timeout_s),
+                "--liveness-stall", str(self.liveness_stall_s), "--log-level", self.log_level]
+        for flag, value in (("--advertise-host", self.advertise_host), ("--worker-id", self.worker_id),
+                            ("--redis-url", self.redis_url), ("--ready-file", self.ready_file)):
             if value is not None:
                 argv += [flag, value]
         return argv + _logging_argv(self) + engine_argv(self.engine)

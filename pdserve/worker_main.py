@@ -23,8 +23,11 @@ logger = logging.getLogger(__name__)
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("worker")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this host only)")
+    g.add_argument("--advertise-host", default=None,
+                   help="address peers dial (Redis registration, tickets, KV data channel); default: --host")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    g.add_argument("--metrics-port", type=int, default=0, help="HTTP /metrics port (0: any free port)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="HTTP port of /metrics and /livez, /readyz, /startupz (0: any free port)")
     g.add_argument("--redis-url", type=parse_redis_url, default=None,
                    help="cluster state (heartbeats); none: no registration")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
@@ -41,6 +44,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM/SIGINT or a Drain call: seconds in-flight requests get to finish "
                         "before they end with an error (a second signal stops at once)")
+    g.add_argument("--liveness-stall", type=float, default=60.0,
+                   help="seconds the engine loop may have work without finishing a step before /livez fails")
     g.add_argument("--ready-file", default=None, help="write 'grpc_port metrics_port' here when serving")
     from pdserve.logs import add_log_args
 

@@ -29,7 +29,9 @@ __all__ = ["DECODE", "PREFILL", "build_decode", "build_prefill", "open_channel_v
 
 
 def transfer_config(spec: WorkerSpec, secret: bytes) -> TransferConfig:
-    return TransferConfig(host=spec.host, timeout_s=spec.transfer_timeout_s, secret=secret)
+    """The data channel binds and advertises the advertised host (gloo tells its peer the
+    address it bound), so a worker bound to 0.0.0.0 still gives peers a dialable one."""
+    return TransferConfig(host=spec.advertised_host, timeout_s=spec.transfer_timeout_s, secret=secret)
 
 
 async def open_channel_via_grpc(decode_address: str, prefill_id: str, incarnation: str,

@@ -4,10 +4,14 @@ WorkerStatus per scrape."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from worker_runtime.status import WorkerState, WorkerStatus
 
@@ -43,6 +47,8 @@ class WorkerCollector:
 
         yield gauge("vllm:num_requests_running", "Requests in the decode batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting for blocks or compute.", s.num_waiting)
+        yield gauge("pdserve_queued_prefill_tokens", "Prompt tokens waiting for prefill on this worker "
+                    "(what a prefill autoscaler scales on).", s.queued_prefill_tokens)
         used = s.total_blocks - s.free_blocks
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     used / s.total_blocks if s.total_blocks else 0.0)
@@ -116,10 +122,28 @@ def served_model_name(config, model_path) -> str:
     return DEFAULT_MODEL_NAME if config.model is None else model_path.stem
 
 
-def serve_metrics(collector: WorkerCollector, host: str, port: int):
-    """Start the /metrics HTTP server in a daemon thread; returns (server, bound port). The
-    caller shuts the server down (server.shutdown()) when the worker stops."""
+def serve_metrics(collector: WorkerCollector, host: str, port: int,
+                  routes: Mapping[str, Callable] | None = None):
+    """Start the worker's HTTP server (/metrics, plus the probe `routes`:
+    worker_runtime/probes.py) in a daemon thread; returns (server, bound port). The caller
+    shuts the server down (server.shutdown()) when the worker stops."""
+    from worker_runtime.probes import with_probe_routes
+
     registry = CollectorRegistry()
     registry.register(collector)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    app = with_probe_routes(make_wsgi_app(registry), routes or {})
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                            flags=socket.AI_PASSIVE)[0][0]
+
+    server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="worker-http", daemon=True).start()
     return server, server.server_port
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape or probe."""
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 — the base class's name
+        pass

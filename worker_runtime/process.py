@@ -3,7 +3,8 @@
 `WorkerProcess(spec, secret).run()` builds the role's worker (worker_runtime/roles.py), then
 
     STARTING  gRPC server (cluster-auth interceptor; health and reflection open for probes),
-              /metrics, heartbeat and block events into Redis, the ready file
+              /metrics and the probes (probes.py), heartbeat and block events into Redis,
+              the ready file
       -> SERVING   until the first SIGTERM/SIGINT, or a Drain RPC (the servicer's request_drain)
       -> DRAINING  marked "draining" in Redis at once (one beat, not the next interval), gRPC
                    health NOT_SERVING; one router snapshot period later (routers have stopped
@@ -39,6 +40,7 @@ from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.log_context import set_identity
 from proto.limits import grpc_message_options
 from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics, served_model_name
+from worker_runtime.probes import WorkerProbes
 from worker_runtime.roles import role_def
 from worker_runtime.stats_log import WorkerStatsLog
 from worker_runtime.status import DrainResult, WorkerState, WorkerStatus
@@ -79,6 +81,9 @@ class WorkerProcess:
         self.address: str | None = None
         self.metrics_port: int | None = None
         self.drain_result: DrainResult | None = None
+        self.probes: WorkerProbes | None = None
+        """/startupz, /livez, /readyz on the metrics port; set once that server starts."""
+        self._grpc_serving = False
         self._server: grpc.aio.Server | None = None
         self._health = None
         self._metrics_server = None
@@ -199,7 +204,7 @@ class WorkerProcess:
         self._server = grpc.aio.server(interceptors=[ClusterAuthServerInterceptor(self._secret)],
                                        options=grpc_message_options())
         port = self._server.add_insecure_port(f"{spec.host}:{spec.port}")
-        self.address = f"{spec.host}:{port}"
+        self.address = f"{spec.advertised_host}:{port}"  # what peers dial; the bind may be 0.0.0.0
         self.role.add_to_server(self._servicer(), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -207,6 +212,7 @@ class WorkerProcess:
             (self.role.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self._start_metrics()
         await self._server.start()
+        self._grpc_serving = True
         if self.state is WorkerState.STARTING:  # a Drain call may have come in the moment the server started
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self.state = WorkerState.SERVING
@@ -225,7 +231,19 @@ class WorkerProcess:
         model_name = served_model_name(core.config, core.model_path)
         labels = {"model_name": model_name, "role": self.spec.role, "worker_id": self.worker.worker_id}
         collector = WorkerCollector(self.status, capacity_metrics(core, labels), model_name)
-        self._metrics_server, self.metrics_port = serve_metrics(collector, self.spec.host, self.spec.metrics_port)
+        self.probes = WorkerProbes(lambda: self.state, lambda: self._grpc_serving, self._registration_problem,
+                                   self.worker.loop.progress, self.spec.liveness_stall_s)
+        self._metrics_server, self.metrics_port = serve_metrics(collector, self.spec.host, self.spec.metrics_port,
+                                                                self.probes.routes())
+
+    def _registration_problem(self) -> str | None:
+        """/readyz's "registered": None when routers can see this worker (or it uses no Redis)."""
+        if self.spec.redis_url is None:
+            return None
+        heartbeat = self._heartbeat
+        if heartbeat is None or heartbeat.beats == 0:
+            return "not registered in Redis yet"
+        return None if heartbeat.redis_ok else "heartbeats to Redis are failing (routers may drop this worker)"
 
     def _start_publishers(self) -> None:
         spec, worker = self.spec, self.worker
@@ -235,7 +253,7 @@ class WorkerProcess:
         from worker_runtime.heartbeat import HeartbeatPublisher, heartbeat_info
         from worker_runtime.kv_events import KVEventPublisher
 
-        metrics_address = f"{spec.host}:{self.metrics_port}"
+        metrics_address = f"{spec.advertised_host}:{self.metrics_port}"
         self._heartbeat = HeartbeatPublisher(  # Redis credentials: from the environment
             spec.redis_url, spec.cluster, lambda: heartbeat_info(self.status(), self.address, metrics_address),
             interval_s=spec.heartbeat_interval_s, ttl_s=spec.heartbeat_ttl_s, secret=self._secret)
@@ -254,8 +272,8 @@ class WorkerProcess:
         # The one start line (a supervisor does not repeat it): a log line, not a print, so it is
         # named and formatted like every other line of the worker.
         logger.info("%s worker %s serving: gRPC %s, metrics http://%s:%d/metrics (pid %d, started in %.1f s)",
-                    self.spec.role, self.worker.worker_id, self.address, self.spec.host, self.metrics_port,
-                    os.getpid(), time.monotonic() - self._created)
+                    self.spec.role, self.worker.worker_id, self.address, self.spec.advertised_host,
+                    self.metrics_port, os.getpid(), time.monotonic() - self._created)
 
     async def _shutdown(self) -> None:
         """Stop in dependency order, each step bounded: calls first, then the Redis entries,

@@ -168,7 +168,10 @@ class LocalCluster:
 
     def _worker_spec(self, role: str, worker_id: str) -> WorkerSpec:
         engine = dataclasses.replace(engine_config_from(self.args), num_threads=self.threads_of(role))
+        # All on this machine: a worker bound to every address is dialled over loopback.
+        advertise = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else None
         return WorkerSpec(role=role, engine=engine, worker_id=worker_id, host=self.args.host,  # type: ignore[arg-type]
+                          advertise_host=advertise,
                           redis_url=self.redis_url, cluster=self.args.cluster, kv_transfer=self.args.kv_transfer,
                           drain_timeout_s=self.args.drain_timeout, ready_file=str(self.workdir / f"{worker_id}.ready"),
                           log_level=self.args.log_level, log_format=self.args.log_format,
