@@ -138,6 +138,20 @@ def test_rendered_processes_take_their_addresses_from_the_pod_and_services(relea
     assert prefill[prefill.index("--port") + 1] == str(release.ports["prefill"][50051])
 
 
+def test_the_probes_the_chart_names_answer_200_on_the_serving_pods(release):
+    for role in ("prefill", "decode"):
+        c = release.container(role)
+        metrics = release.ports[role][9100]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            path = c[probe]["httpGet"]["path"]
+            r = httpx.get(f"http://127.0.0.1:{metrics}{path}", timeout=10)
+            assert r.status_code == 200, f"{role} {path}: {r.status_code} {r.text}"
+    router = release.container("router")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        r = httpx.get(release.base_url + router[probe]["httpGet"]["path"], timeout=10)
+        assert r.status_code == 200, f"router {probe}: {r.status_code} {r.text}"
+
+
 def test_the_release_serves_the_offline_engines_greedy_tokens(release, reference):
     want, _ = reference
 
