@@ -196,9 +196,11 @@ def test_sigterm_drains_the_decode_worker_with_no_failed_request(release, refere
             tasks = [asyncio.create_task(_stream(client, p, e)) for p, e in zip(ids, events)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout=180)
             decode.send_signal(signal.SIGTERM)  # what the kubelet sends; no preStop for workers
-            return await asyncio.gather(*tasks)
+            in_flight = sum(not t.done() for t in tasks)
+            return in_flight, await asyncio.gather(*tasks)
 
-    results = asyncio.run(run())
+    in_flight, results = asyncio.run(run())
+    assert in_flight == NUM_DRAINING, "every stream was still running when the worker got SIGTERM"
     assert [(status, error) for status, _, error in results] == [(200, None)] * NUM_DRAINING
     assert [tokens for _, tokens, _ in results] == want
     assert decode.wait(timeout=90) == 0, release.log("decode")[-3000:]
