@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.deploy.chart import CHART, ROOT, render
+from tests.deploy.chart import CHART, EXAMPLES, ROOT, render
 
 METRIC = re.compile(r"\b(vllm:[a-z0-9_:]+|pdserve_[a-z0-9_]+)")
 PENDING = {
@@ -35,8 +35,6 @@ def test_dashboard_queries_only_exported_metrics():
 
 
 def test_autoscalers_query_exported_metrics(helm):
-    from tests.deploy.chart import EXAMPLES
-
     objects = render(helm, EXAMPLES / "autoscaling.yaml", sets=("prefill.autoscaling.kind=keda",))
     queries = " ".join(t["metadata"]["query"] for o in objects if o["kind"] == "ScaledObject" for t in o["spec"]["triggers"])
     assert _queried(queries) == {"pdserve_queued_prefill_tokens", "vllm:num_requests_waiting"}
