@@ -1,0 +1,62 @@
+"""Every example's rendered router and worker args are a command line pdserve accepts: they
+parse with pdserve's own parser into a valid RouterSpec / WorkerSpec (whose validation runs),
+and the spec's to_argv (the one place pdserve turns a spec into argv) gives the same spec back.
+So a flag the chart misspells, or a value the engine refuses, fails here without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.specs import RouterSpec, WorkerSpec
+from tests.deploy import pods
+from tests.deploy.chart import EXAMPLES, RELEASE, container, render
+
+FULL = f"{RELEASE}-pdserve"
+POD_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": f"{FULL}-decode-7d9f-abcde"}
+EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def _parse(args: list[str]):
+    return build_parser().parse_args(pods.expand(args, POD_ENV))
+
+
+@pytest.mark.parametrize("values", [None, *EXAMPLE_FILES], ids=lambda v: "default" if v is None else v.stem)
+def test_rendered_worker_args_are_a_valid_worker_spec_that_round_trips(helm, values):
+    objects = render(helm, *([values] if values else []))
+    for role in ("prefill", "decode"):
+        spec = WorkerSpec.from_args(_parse(container(objects, role)["args"]))
+        assert (spec.role, spec.host, spec.port, spec.metrics_port) == (role, "0.0.0.0", 50051, 9100)
+        assert spec.worker_id == POD_ENV["POD_NAME"]
+        assert WorkerSpec.from_args(_parse(spec.to_argv())) == spec
+
+
+@pytest.mark.parametrize("values", [None, *EXAMPLE_FILES], ids=lambda v: "default" if v is None else v.stem)
+def test_rendered_router_args_are_a_valid_router_spec_that_round_trips(helm, values):
+    objects = render(helm, *([values] if values else []))
+    spec = RouterSpec.from_args(_parse(container(objects, "router")["args"]))
+    assert (spec.host, spec.port, spec.grpc_port) == ("0.0.0.0", 8000, 50051)
+    assert RouterSpec.from_args(_parse(spec.to_argv())) == spec
+
+
+def test_gpu_example_engine_settings_reach_the_worker_spec(helm):
+    objects = render(helm, EXAMPLES / "gpu-2p4d-nccl.yaml")
+    decode = WorkerSpec.from_args(_parse(container(objects, "decode")["args"]))
+    prefill = WorkerSpec.from_args(_parse(container(objects, "prefill")["args"]))
+    assert (decode.kv_transfer, decode.drain_timeout_s, prefill.drain_timeout_s) == ("nccl", 300.0, 120.0)
+    e = decode.engine
+    assert (e.model, e.served_model_name, e.dtype, e.device, e.max_model_len, e.gpu_memory_utilization,
+            e.max_num_seqs, e.block_size) == ("/models/Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct", "bfloat16",
+                                              "cuda", 8192, 0.9, 256, 16)
+    assert prefill.engine.max_num_batched_tokens == 8192
+    router = RouterSpec.from_args(_parse(container(objects, "router")["args"]))
+    assert (router.model, router.served_model_name, router.max_model_len, router.scaler) == (
+        "/models/Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct", 8192, "kubernetes")
+
+
+def test_cpu_example_workers_get_a_small_kv_budget_and_their_own_threads(helm):
+    objects = render(helm, EXAMPLES / "cpu-1p1d.yaml")
+    for role in ("prefill", "decode"):
+        e = WorkerSpec.from_args(_parse(container(objects, role)["args"])).engine
+        assert (e.device, e.dtype, e.max_model_len, e.num_threads) == ("cpu", "float32", 1024, 2)
+        assert container(objects, role)["args"][container(objects, role)["args"].index("--kv-cache-memory") + 1] == "256MiB"
