@@ -225,7 +225,8 @@ def add_admin_args(g) -> None:
 
     g.add_argument("--scaler", default="none",
                    help="what acts on PUT /v1/roles: none (read-only roles API) or a scaler name "
-                        "(local: the pdserve up supervisor)")
+                        "(local: the pdserve up supervisor; ray: pdserve up --launcher ray; kubernetes: "
+                        "the Helm chart's Deployments)")
     g.add_argument("--max-replicas", type=int, default=DEFAULT_MAX_REPLICAS,
                    help="largest replica count PUT /v1/roles/{role} accepts for one role")
     g.add_argument("--admin-key", default=None,

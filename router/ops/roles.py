@@ -25,7 +25,7 @@ SCALER_TIMEOUT_S = 5.0
 """Longest wait for the scaler (which bounds its own calls too): a hung controller answers 503."""
 NO_SCALER = ("This router has no scaler (--scaler none), so nothing would act on a desired count: "
              "the role's workers are started and stopped outside pdserve. Start the router with "
-             "--scaler local (pdserve up does) to scale from here.")
+             "--scaler local, ray or kubernetes (pdserve up and the Helm chart do) to scale from here.")
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,6 @@ import re
 from tests.deploy.chart import CHART, EXAMPLES, ROOT, render
 
 METRIC = re.compile(r"\b(vllm:[a-z0-9_:]+|pdserve_[a-z0-9_]+)")
-PENDING = {
-    "pdserve_queued_prefill_tokens": "worker gauge of the engine's queued_prefill_tokens (asked of issue 13's K2)",
-    "pdserve_request_path": "the router's path counter, renamed from pdserve:request_path (issue 15)",
-}
-"""Names the chart queries that land with work merged beside this chart; each must be exported
-once it lands (the test then needs no entry here)."""
 
 
 def _exported() -> set[str]:
@@ -30,12 +24,11 @@ def _queried(text: str) -> set[str]:
 def test_dashboard_queries_only_exported_metrics():
     board = json.loads((CHART / "files" / "dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
-    missing = _queried(exprs) - _exported()
-    assert missing <= set(PENDING), f"the dashboard queries metrics nobody exports: {sorted(missing - set(PENDING))}"
+    assert _queried(exprs) - _exported() == set(), "the dashboard queries metrics nobody exports"
 
 
 def test_autoscalers_query_exported_metrics(helm):
     objects = render(helm, EXAMPLES / "autoscaling.yaml", sets=("prefill.autoscaling.kind=keda",))
     queries = " ".join(t["metadata"]["query"] for o in objects if o["kind"] == "ScaledObject" for t in o["spec"]["triggers"])
     assert _queried(queries) == {"pdserve_queued_prefill_tokens", "vllm:num_requests_waiting"}
-    assert _queried(queries) - _exported() <= set(PENDING)
+    assert _queried(queries) - _exported() == set()
