@@ -54,7 +54,12 @@ def test_bench_completes_24_prompts_and_writes_vllm_fields(cluster, tmp_path):
     assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     assert result["input_lens"] == [INPUT_LEN] * NUM_PROMPTS  # the server's own prompt count
     assert result["errors"] == [""] * NUM_PROMPTS
-    assert [len(gaps) for gaps in result["itls"]] == [OUTPUT_LEN - 1] * NUM_PROMPTS
+    # One gap per streamed token after the first; a final token whose only text was the start of
+    # a multi-byte character (random prompts make such tokens) is dropped by the detokenizer, as
+    # vLLM does, so its chunk carries no text and the client counts no gap for it.
+    gaps = [len(g) for g in result["itls"]]
+    assert all(OUTPUT_LEN - 2 <= n <= OUTPUT_LEN - 1 for n in gaps), gaps
+    assert gaps.count(OUTPUT_LEN - 1) >= NUM_PROMPTS - 2, gaps
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # generous SLOs
     assert result["backend"] == "openai" and result["request_rate"] == "inf"
     assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"] <= result["p99_e2el_ms"]

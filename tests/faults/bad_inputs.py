@@ -119,7 +119,7 @@ HTTP_CASES: tuple[HttpCase, ...] = (
     # Chat fields.
     HttpCase("messages missing", CHAT, {"max_tokens": 2}),
     _chat("messages not a list", messages="Hi"),
-    _chat("messages empty", expect=None, messages=[]),
+    _chat("messages empty", messages=[]),
     _chat("message without role", messages=[{"content": "Hi"}]),
     _chat("role wrong type", messages=[{"role": 5, "content": "Hi"}]),
     _chat("unknown role", expect=None, messages=[{"role": "wizard", "content": "Hi"}]),
