@@ -9,6 +9,8 @@ and the probes are fetched with real HTTP requests from worker threads."""
 
 from __future__ import annotations
 
+import re
+
 import asyncio
 import threading
 import time
@@ -113,7 +115,9 @@ def test_readiness_waits_for_registration_and_fails_from_the_start_of_a_drain(ti
         return metrics, draining, process.state
 
     metrics, draining, state = asyncio.run(served(process, body))
-    assert 'pdserve_worker_draining{role="decode",worker_id="decode-probe"} 0.0' in metrics  # /metrics still served
+    # /metrics still served
+    assert re.search(r'^pdserve_worker_draining\{model_name="[^"]+",role="decode",worker_id="decode-probe"\} 0\.0$',
+                     metrics, re.M), metrics
     assert state is WorkerState.DRAINING
     assert draining == ((503, "draining: not taking new requests\n"), (200, "ok\n"), (200, "ok\n"))
 
