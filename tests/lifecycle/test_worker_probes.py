@@ -9,9 +9,8 @@ and the probes are fetched with real HTTP requests from worker threads."""
 
 from __future__ import annotations
 
-import re
-
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
