@@ -129,8 +129,8 @@ def test_scaling_without_a_scaler_is_409_conflict():
     assert response.status_code == 409
     assert response.json() == error(
         "This router has no scaler (--scaler none), so nothing would act on a desired count: the role's "
-        "workers are started and stopped outside pdserve. Start the router with --scaler local (pdserve up "
-        "does) to scale from here.", 409, "ConflictError")
+        "workers are started and stopped outside pdserve. Start the router with --scaler local, ray or "
+        "kubernetes (pdserve up and the Helm chart do) to scale from here.", 409, "ConflictError")
 
 
 def test_the_scalers_refusal_is_400_and_its_absence_503():

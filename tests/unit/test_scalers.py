@@ -13,11 +13,11 @@ CLUSTER = "scaletest"
 
 
 def test_the_registry_builds_the_local_scaler_and_lists_known_names_for_an_unknown_one():
-    assert SCALERS.names() == ["local", "ray"]
+    assert SCALERS.names() == ["kubernetes", "local", "ray"]
     assert SCALERS.get("local") is LocalScaler
     with pytest.raises(KeyError) as info:
         make_scaler("k8s", "redis://127.0.0.1:1/0", CLUSTER, SECRET)
-    assert info.value.args[0] == "unknown scaler 'k8s'; known: local, ray"
+    assert info.value.args[0] == "unknown scaler 'k8s'; known: kubernetes, local, ray"
 
 
 def test_the_local_scaler_needs_redis_and_the_cluster_secret():
