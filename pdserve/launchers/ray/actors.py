@@ -109,8 +109,8 @@ class ComponentActor:
 
         role = self._argv[0]
         spec = WorkerSpec.from_args(build_parser().parse_args(self._argv), role)
-        if self._bind_node:
-            spec = replace(spec, host=ray.util.get_node_ip_address())
+        if self._bind_node:  # bind and advertise this node's address, whatever `up --host` said
+            spec = replace(spec, host=ray.util.get_node_ip_address(), advertise_host=None)
         secret = require_cluster_secret(f"pdserve {role}")
         if (code := preflight(role, spec)) is not None:  # on this node: its model file, its device
             return code
