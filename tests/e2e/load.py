@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -117,3 +118,42 @@ def wait_for_restart(cluster: RunningCluster, victim: dict, restarts_before: int
         if time.monotonic() > deadline:
             raise AssertionError(f"no restarted decode worker in {timeout_s:.0f} s: {roles}")
         time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class Reference:
+    short: list[list[int]]
+    """Greedy tokens of each of the 30 test prompts (the shorter length)."""
+    fresh: list[list[int]]
+    """Greedy tokens of each fresh prompt (the longer length)."""
+
+
+def offline_reference(short_len: int, fresh_len: int) -> Reference:
+    """The offline engine's greedy tokens; call it before a cluster starts, so the two do not
+    share the cores."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", max_model_len=1024)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    short = llm.generate([list(p) for p in prompt_token_ids()], greedy(short_len))
+    fresh = llm.generate(fresh_prompts(), greedy(fresh_len))
+    del llm
+    return Reference([list(o.token_ids) for o in short], [list(o.token_ids) for o in fresh])
+
+
+def streams_through_a_kill(cluster: RunningCluster, prompts, max_tokens: int,
+                           kill: Callable[[], None]) -> tuple[list[StreamResult], float]:
+    """Stream every prompt; once each has its first token, call `kill` (blocking, off the event
+    loop); return the streams' results and how long after the kill they all ended (bounded)."""
+    async def scenario():
+        firsts = [asyncio.Event() for _ in prompts]
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=300) as client:
+            tasks = [asyncio.create_task(stream_completion(client, ids, max_tokens, first))
+                     for ids, first in zip(prompts, firsts)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+            await asyncio.to_thread(kill)
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return results, time.monotonic() - killed_at
+
+    return asyncio.run(scenario())

@@ -18,14 +18,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from tests.e2e.cluster import RunningCluster, start_cluster
-from tests.e2e.load import (assert_pools_empty, complete_all, ensure_shape, fresh_prompts, stream_completion,
-                            wait_for_restart, worker_ids)
+from tests.e2e.load import (Reference, assert_pools_empty, complete_all, ensure_shape, fresh_prompts,
+                            offline_reference, stream_completion, streams_through_a_kill, wait_for_restart,
+                            worker_ids)
 from tests.real_model import prompt_token_ids
 
 pytest.importorskip("ray", reason="the Ray launcher needs pdserve[ray] (the test extras include it)")
@@ -37,22 +37,9 @@ RAY_PROCESSES = ("gcs_server", "raylet", "ray::")
 """What a local Ray instance runs (its dashboard and agents are ray:: processes too)."""
 
 
-@dataclass(frozen=True)
-class Reference:
-    short: list[list[int]]
-    fresh: list[list[int]]
-
-
 @pytest.fixture(scope="module")
 def reference() -> Reference:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(dtype="float32", max_model_len=1024)
-    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    short = llm.generate([list(p) for p in prompt_token_ids()], greedy(SHORT))
-    fresh = llm.generate(fresh_prompts(), greedy(LONG))
-    del llm
-    return Reference([list(o.token_ids) for o in short], [list(o.token_ids) for o in fresh])
+    return offline_reference(SHORT, LONG)
 
 
 @pytest.fixture(scope="module")
@@ -157,18 +144,8 @@ def test_a_decode_actor_killed_through_ray_fails_its_streams_explicitly_and_is_r
     (victim,) = before["decode"]["workers"]
     prompts = prompt_token_ids()[:6]
 
-    async def scenario():
-        firsts = [asyncio.Event() for _ in prompts]
-        async with httpx.AsyncClient(base_url=ray_cluster.base_url, timeout=300) as client:
-            tasks = [asyncio.create_task(stream_completion(client, ids, KILLED, first))
-                     for ids, first in zip(prompts, firsts)]
-            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
-            await asyncio.to_thread(kill_actor, victim["worker_id"])
-            killed_at = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        return results, time.monotonic() - killed_at
-
-    results, ended_within_s = asyncio.run(scenario())
+    results, ended_within_s = streams_through_a_kill(ray_cluster, prompts, KILLED,
+                                                     lambda: kill_actor(victim["worker_id"]))
     assert ended_within_s < 60, f"the streams took {ended_within_s:.1f} s to end after the kill"
     assert [r.status != 200 or (r.error is not None and r.done) for r in results] == [True] * len(prompts), results
     assert all(len(r.token_ids) < KILLED for r in results)

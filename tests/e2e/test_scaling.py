@@ -14,14 +14,14 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from tests.e2e.cluster import start_cluster
-from tests.e2e.load import (assert_pools_empty, complete_all, decisions, delta, ensure_shape, fresh_prompts,
-                            stream_completion, wait_for_restart, worker_ids)
+from tests.e2e.load import (Reference, assert_pools_empty, complete_all, decisions, delta, ensure_shape,
+                            fresh_prompts, offline_reference, stream_completion, streams_through_a_kill,
+                            wait_for_restart, worker_ids)
 from tests.real_model import prompt_token_ids
 
 pytestmark = pytest.mark.slow
@@ -32,26 +32,9 @@ MAX_REPLICAS = 4
 ARRIVAL_GAP_S = 0.25
 
 
-@dataclass(frozen=True)
-class Reference:
-    short: list[list[int]]
-    """Greedy SHORT tokens of each of the 30 prompts."""
-    fresh: list[list[int]]
-    """Greedy LONG tokens of each fresh prompt."""
-
-
 @pytest.fixture(scope="module")
 def reference() -> Reference:
-    """The offline engine's greedy tokens, computed before the cluster starts so the two do
-    not share the cores."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(dtype="float32", max_model_len=1024)
-    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    short = llm.generate([list(p) for p in prompt_token_ids()], greedy(SHORT))
-    fresh = llm.generate(fresh_prompts(), greedy(LONG))
-    del llm
-    return Reference([list(o.token_ids) for o in short], [list(o.token_ids) for o in fresh])
+    return offline_reference(SHORT, LONG)
 
 
 @pytest.fixture(scope="module")
@@ -168,18 +151,8 @@ def test_sigkilled_decode_worker_fails_its_streams_explicitly_and_is_restarted(c
     (victim,) = before["decode"]["workers"]
     prompts = prompt_token_ids()[:6]
 
-    async def scenario():
-        firsts = [asyncio.Event() for _ in prompts]
-        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=300) as client:
-            tasks = [asyncio.create_task(stream_completion(client, ids, KILLED, first))
-                     for ids, first in zip(prompts, firsts)]
-            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
-            os.kill(cluster.worker_pid(victim["worker_id"]), signal.SIGKILL)
-            killed_at = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        return results, time.monotonic() - killed_at
-
-    results, ended_within_s = asyncio.run(scenario())
+    results, ended_within_s = streams_through_a_kill(
+        cluster, prompts, KILLED, lambda: os.kill(cluster.worker_pid(victim["worker_id"]), signal.SIGKILL))
     assert ended_within_s < 60, f"the streams took {ended_within_s:.1f} s to end after the kill"
     explicit = [r.status != 200 or (r.error is not None and r.done) for r in results]
     assert explicit == [True] * len(prompts), results

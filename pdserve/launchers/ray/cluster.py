@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.launchers.local import LocalCluster, Signals
 from pdserve.launchers.ray.actors import ACTOR_CLASSES, RedisActor
-from pdserve.launchers.ray.handles import ActorProcess, RemoteRedis, _first_line
+from pdserve.launchers.ray.handles import ActorProcess, RemoteRedis, first_line
 from pdserve.launchers.ray.placement import NODE_ADDRESS, placements_from_args, worker_host
 from pdserve.specs import RouterSpec, WorkerSpec
 from proto.auth import CLUSTER_SECRET_ENV
@@ -119,7 +119,7 @@ class RayCluster(LocalCluster):
                                dashboard_host="127.0.0.1", configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-            raise RuntimeError(f"cannot connect to {where}: {_first_line(exc)}") from None
+            raise RuntimeError(f"cannot connect to {where}: {first_line(exc)}") from None
         self.started_ray = address is None
         self.signals.install()  # ray.init installs its own SIGINT/SIGTERM handlers in the driver
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -257,7 +257,7 @@ def run_down(args: argparse.Namespace) -> int:
         ray.init(address=args.ray_address or "auto", namespace=namespace_of(args.cluster), log_to_driver=False,
                  configure_logging=False)
     except Exception as exc:  # noqa: BLE001 — no cluster there, or its token missing: one line, no traceback
-        print(f"pdserve down: cannot connect to the Ray cluster at {args.ray_address}: {_first_line(exc)}",
+        print(f"pdserve down: cannot connect to the Ray cluster at {args.ray_address}: {first_line(exc)}",
               file=sys.stderr, flush=True)
         return 1
     try:

@@ -73,10 +73,10 @@ class ActorProcess:
         try:
             self._code = int(ray.get(self._run, timeout=CALL_TIMEOUT_S))
         except RayActorError as exc:
-            logger.error("Ray actor %s died: %s", self.name, _first_line(exc))
+            logger.error("Ray actor %s died: %s", self.name, first_line(exc))
             self._code = ACTOR_DIED
         except Exception as exc:  # noqa: BLE001 — any other failure of the call is an exit too
-            logger.error("Ray actor %s failed: %s", self.name, _first_line(exc))
+            logger.error("Ray actor %s failed: %s", self.name, first_line(exc))
             self._code = 1
         self.kill()
         return self._code
@@ -136,7 +136,7 @@ class RemoteRedis:
         try:
             self._state = self._call(self.handle.describe)
         except (GetTimeoutError, RayActorError) as exc:
-            logger.error("the Redis actor does not answer: %s", _first_line(exc))
+            logger.error("the Redis actor does not answer: %s", first_line(exc))
             return True  # nothing to restart in place; the workers' own Redis errors say the rest
         return bool(self._state["running"])
 
@@ -152,7 +152,7 @@ class RemoteRedis:
         try:
             self._call(self.handle.stop)
         except Exception as exc:  # noqa: BLE001 — killed next anyway
-            logger.warning("stopping the Redis actor: %s", _first_line(exc))
+            logger.warning("stopping the Redis actor: %s", first_line(exc))
         try:
             ray.kill(self.handle, no_restart=True)
         except Exception:  # noqa: BLE001 — already gone
@@ -163,6 +163,6 @@ class RemoteRedis:
         return ray.get(method.remote(), timeout=CALL_TIMEOUT_S)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
