@@ -39,7 +39,7 @@ from worker_runtime.heartbeat import HeartbeatPublisher  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
 from proto.internal_auth import ClusterAuthServerInterceptor, require_cluster_secret  # noqa: E402
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
-from router.cluster_keys import WorkerInfo  # noqa: E402
+from router.cluster.keys import WorkerInfo  # noqa: E402
 
 BLOCK_SIZE = 16
 TOTAL_BLOCKS = 1_000_000  # never the limit: the doubles admit everything

@@ -45,7 +45,7 @@ def port_problem(host: str, ports: Iterable[tuple[str, int]]) -> str | None:
 def redis_auth_problem() -> str | None:
     """Why the Redis credentials in the environment ($PDSERVE_REDIS_PASSWORD_FILE) cannot be
     read, or None."""
-    from router.redis_settings import RedisAuth
+    from router.cluster.redis_settings import RedisAuth
 
     try:
         RedisAuth.from_env()

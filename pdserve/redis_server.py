@@ -117,7 +117,7 @@ def share_cluster_secrets(server: EmbeddedRedis) -> None:
     they start inherit. Mutates os.environ; `pdserve up` does not use it (it builds its
     children's environment explicitly)."""
     from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, generate_secret
-    from router.redis_settings import PASSWORD_ENV
+    from router.cluster.redis_settings import PASSWORD_ENV
 
     os.environ[PASSWORD_ENV] = server.password
     if not os.environ.get(CLUSTER_SECRET_ENV) and not os.environ.get(CLUSTER_SECRET_FILE_ENV):

@@ -51,7 +51,7 @@ ROUTING_FLAGS = ("policy", "prefill_queue_weight", "local_prefill_max_tokens", "
 LIMIT_FLAGS = ("max_request_bytes", "max_n")
 """Request limits, checked before any work; `pdserve up` passes them on like ROUTING_FLAGS."""
 DEADLINE_FLAGS = ("prefill_timeout", "stream_idle_timeout")
-"""Deadlines of the router's calls to workers (router.worker_calls.WorkerTimeouts)."""
+"""Deadlines of the router's calls to workers (router.routing.worker_calls.WorkerTimeouts)."""
 ROUTING_FLAGS += LIMIT_FLAGS + DEADLINE_FLAGS + ("colocated",)  # `up --colocated` tells its router (/ready)
 
 
@@ -84,7 +84,7 @@ def add_routing_args(g) -> None:
 
 def add_limit_args(g) -> None:
     """Request limits (HTTP and gRPC alike), checked before a request is tokenized or routed."""
-    from router.validation import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
+    from router.api.validation import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED beyond)")
@@ -94,8 +94,8 @@ def add_limit_args(g) -> None:
 
 
 def add_deadline_args(g) -> None:
-    """--prefill-timeout and --stream-idle-timeout (defaults: router.worker_calls.WorkerTimeouts)."""
-    from router.worker_calls import WorkerTimeouts
+    """--prefill-timeout and --stream-idle-timeout (defaults: router.routing.worker_calls.WorkerTimeouts)."""
+    from router.routing.worker_calls import WorkerTimeouts
 
     g.add_argument("--prefill-timeout", type=float, default=WorkerTimeouts.prefill_s,
                    help="seconds one prefill worker may take for a request's Prefill (queue, compute, KV "
@@ -136,16 +136,16 @@ def build_service(args: argparse.Namespace):
     from engine.loader.locate import DEFAULT_MODEL_NAME, resolve_model_path
     from engine.loader.spec_reader import read_spec
     from engine.tokenizer import load_tokenizer
-    from router.admission import AdmissionQueue, AdmissionSettings
-    from router.cluster_backend import ClusterBackend, plain_route_request
-    from router.cluster_metrics import ClusterCollector
-    from router.cluster_state import ClusterStateReader
-    from router.kv_event_reader import KVEventReader
-    from router.local_prefill import LocalPrefillRule, WithLocalPrefill
-    from router.policy import CacheAware, CacheAwareWeights, make_policy
-    from router.service import RouterService
-    from router.validation import RequestLimits
-    from router.worker_calls import WorkerTimeouts
+    from router.routing.admission import AdmissionQueue, AdmissionSettings
+    from router.routing.cluster_backend import ClusterBackend, plain_route_request
+    from router.cluster.metrics import ClusterCollector
+    from router.cluster.state import ClusterStateReader
+    from router.cluster.kv_event_reader import KVEventReader
+    from router.routing.local_prefill import LocalPrefillRule, WithLocalPrefill
+    from router.routing.policy import CacheAware, CacheAwareWeights, make_policy
+    from router.serving.service import RouterService
+    from router.api.validation import RequestLimits
+    from router.routing.worker_calls import WorkerTimeouts
     from proto.internal_auth import require_cluster_secret
 
     secret = require_cluster_secret("pdserve router")  # before the model loads: fail fast
@@ -155,7 +155,7 @@ def build_service(args: argparse.Namespace):
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model_path.stem)
     max_model_len = args.max_model_len or spec.max_position_embeddings
 
-    # Redis credentials come from the environment (router/redis_settings.py); the secret
+    # Redis credentials come from the environment (router/cluster/redis_settings.py); the secret
     # verifies the workers' signed heartbeats.
     reader = ClusterStateReader(args.redis_url, args.cluster, secret=secret)
     admission = AdmissionQueue(AdmissionSettings(max_queued=args.max_queued_requests,
@@ -182,7 +182,7 @@ def build_service(args: argparse.Namespace):
 
 def cluster_view(args: argparse.Namespace, backend, reader):
     """The /v1/cluster body builder for this router."""
-    from router.cluster_view import cluster_body
+    from router.cluster.view import cluster_body
 
     async def view() -> dict[str, object]:
         snapshot = await reader.snapshot()
@@ -207,7 +207,7 @@ def cluster_view(args: argparse.Namespace, backend, reader):
 
 def readiness_check(args: argparse.Namespace, reader):
     """/ready and gRPC health: workers of the roles this cluster needs are registered."""
-    from router.readiness import readiness
+    from router.cluster.readiness import readiness
 
     async def check():
         return readiness(await reader.snapshot(), needs_prefill=not args.colocated)
@@ -286,8 +286,8 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     process's main thread: a Ray actor). on_ready(http_port, grpc_port) is called once serving."""
     import uvicorn
 
-    from router.grpc_api import start_grpc_server
-    from router.http import HttpSettings, create_app
+    from router.api.grpc_api import start_grpc_server
+    from router.api.http import HttpSettings, create_app
 
     service, backend, reader = build_service(args)
     api_key = api_key_from(args)
@@ -341,7 +341,7 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
 
 def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Task | None:
     """The cluster stats line every --log-stats-interval seconds (None when 0)."""
-    from router.stats_log import run_cluster_stats
+    from router.serving.stats_log import run_cluster_stats
 
     interval_s = getattr(args, "log_stats_interval", 0.0)
     if interval_s <= 0:

@@ -10,7 +10,7 @@ Field names map to flags by one rule: drop a `_s` (seconds) suffix, then `_` -> 
 (`drain_timeout_s` <-> `--drain-timeout`). `from_args` and `to_argv` both follow it.
 
 Secrets are never part of a spec: the cluster secret, the Redis password, the API and admin
-keys reach a process through its environment (proto/auth.py, router/redis_settings.py).
+keys reach a process through its environment (proto/auth.py, router/cluster/redis_settings.py).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class RouterSpec:
     colocated: bool = False
     """No prefill workers by design: /ready needs only a decode worker."""
     policy: str = "cache_aware"
-    """A name in router.policy.POLICIES."""
+    """A name in router.routing.policy.POLICIES."""
     prefill_queue_weight: float = 0.5
     """cache_aware: cost of one queued prefill token relative to one uncached prompt token."""
     local_prefill_max_tokens: int = 0
@@ -237,11 +237,11 @@ class RouterSpec:
     """Requests that may wait for decode room at once; more get 503 + Retry-After."""
     max_queue_wait_s: float = 30.0
     max_request_bytes: int = 2 * 1024 * 1024
-    """Largest HTTP body / gRPC message accepted (router.validation.DEFAULT_MAX_REQUEST_BYTES)."""
+    """Largest HTTP body / gRPC message accepted (router.api.validation.DEFAULT_MAX_REQUEST_BYTES)."""
     max_n: int = 128
-    """Most completions per prompt (router.validation.RequestLimits.max_n)."""
+    """Most completions per prompt (router.api.validation.RequestLimits.max_n)."""
     prefill_timeout_s: float = 60.0
-    """One prefill worker's deadline for a request (router.worker_calls.WorkerTimeouts)."""
+    """One prefill worker's deadline for a request (router.routing.worker_calls.WorkerTimeouts)."""
     stream_idle_timeout_s: float = 30.0
     """Longest a decode stream may send nothing before the request ends with an error."""
     scaler: str = "none"
@@ -261,7 +261,7 @@ class RouterSpec:
             _check_port(name, getattr(self, name))
         if not self.cluster:
             raise ValueError("cluster must not be empty")
-        from router.policy import POLICIES  # pure: no I/O
+        from router.routing.policy import POLICIES  # pure: no I/O
 
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES.names())}; got {self.policy!r}")

@@ -1,7 +1,7 @@
 """The router's one error hierarchy, and its one mapping to HTTP (vLLM's JSON error shape).
 
 Everything the router refuses or fails raises a `RouterError` subclass; `http_error` is the only
-place that turns one into a status code and body (`router.grpc_errors` is the gRPC twin). The
+place that turns one into a status code and body (`router.api.grpc_errors` is the gRPC twin). The
 body is vLLM's current shape: `{"error": {"message", "type", "param", "code"}}` where `code` is
 the HTTP status as an integer and `type` names the OpenAI client's exception class.
 """

@@ -30,8 +30,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
-from router.redis_settings import RedisAuth, redact_url, sync_client
+from router.cluster.keys import WorkerInfo, signed_hash, worker_key, workers_set_key
+from router.cluster.redis_settings import RedisAuth, redact_url, sync_client
 
 if TYPE_CHECKING:  # worker_runtime.status imports the engine (torch); a publisher needs neither
     from worker_runtime.status import WorkerStatus
@@ -90,7 +90,7 @@ class HeartbeatPublisher:
     ) -> None:
         """secret: the cluster secret that signs each beat (None: unsigned, which a router
         holding a secret ignores). auth: Redis credentials (None: the URL's, else the
-        environment's; router/redis_settings.py)."""
+        environment's; router/cluster/redis_settings.py)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0; got {interval_s}")
         if ttl_s <= interval_s:

@@ -34,9 +34,9 @@ from redis.retry import Retry
 
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
-from router.cluster_keys import kv_events_key
-from router.prefix_index import BlockEvent, EventKind
-from router.redis_settings import RedisAuth, redact_url, sync_client
+from router.cluster.keys import kv_events_key
+from router.routing.prefix_index import BlockEvent, EventKind
+from router.cluster.redis_settings import RedisAuth, redact_url, sync_client
 
 __all__ = ["KVEventPublisher", "order_events"]
 
@@ -91,7 +91,7 @@ class KVEventPublisher:
         each snapshot; it must cover two snapshot intervals so a router replaying the stream
         finds every live worker's latest snapshot. check_interval_s: how often Redis's run_id
         is compared (detects a restart when no write failed). auth: Redis credentials (None:
-        the URL's, else the environment's; router/redis_settings.py)."""
+        the URL's, else the environment's; router/cluster/redis_settings.py)."""
         if snapshot_interval_s <= 0 or retry_interval_s <= 0 or check_interval_s <= 0:
             raise ValueError("snapshot, retry and check intervals must be > 0")
         if retention_s < 2 * snapshot_interval_s:

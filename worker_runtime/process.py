@@ -53,7 +53,7 @@ __all__ = ["ROUTER_SNAPSHOT_PERIOD_S", "WorkerProcess"]
 logger = logging.getLogger(__name__)
 
 ROUTER_SNAPSHOT_PERIOD_S = 0.2
-"""A router's view of Redis is at most this old (router/cluster_state.py caches <= 100 ms, plus
+"""A router's view of Redis is at most this old (router/cluster/state.py caches <= 100 ms, plus
 the read): a worker marked draining waits this long before it refuses new work, so no router
 still picks it from an older snapshot."""
 STOP_GRACE_S = 2.0

@@ -1,4 +1,4 @@
-"""A worker's periodic stats line (router/stats_log.py has the text and the "only when changed"
+"""A worker's periodic stats line (router/serving/stats_log.py has the text and the "only when changed"
 rule), read from its frozen WorkerStatus on a daemon thread.
 
 Lifecycle: created (the start-up state taken as the first sample) -> start() -> a line every
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from router.stats_log import StatsSample, StatsTicker
+from router.serving.stats_log import StatsSample, StatsTicker
 
 if TYPE_CHECKING:  # worker_runtime.status imports the engine (torch)
     from worker_runtime.status import WorkerStatus

@@ -37,7 +37,7 @@ from pdserve.launchers.supervisor import Supervisor
 from pdserve.scalers.desired_state import status_fields
 from pdserve.specs import RouterSpec, WorkerSpec, engine_config_from
 from proto.auth import load_cluster_secret
-from router.redis_settings import RedisAuth, redact_url, split_credentials
+from router.cluster.redis_settings import RedisAuth, redact_url, split_credentials
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import logging
 from collections.abc import Mapping
 
 from pdserve.scalers.desired_state import STATUS_TTL_S, DesiredCount, decode_desired, text_map
-from router.cluster_keys import desired_replicas_key, scaler_status_key
+from router.cluster.keys import desired_replicas_key, scaler_status_key
 from router.ops.scaling import SCALABLE_ROLES
-from router.redis_settings import RedisAuth
+from router.cluster.redis_settings import RedisAuth
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class ScaleStore:
     def __init__(self, redis_url: str, cluster: str, secret: bytes, max_replicas: int,
                  auth: RedisAuth | None = None) -> None:
         """auth: the credentials (the embedded Redis's password); None: from the environment."""
-        from router.redis_settings import sync_client
+        from router.cluster.redis_settings import sync_client
 
         self._redis = sync_client(redis_url, auth, socket_timeout=REDIS_TIMEOUT_S,
                                   socket_connect_timeout=REDIS_TIMEOUT_S)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, generate_secret
-from router.redis_settings import RedisAuth
+from router.cluster.redis_settings import RedisAuth
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 API_KEY_WARNING = ("pdserve up: --api-key is visible to every user of this host (ps); prefer "

@@ -17,7 +17,7 @@ import asyncio
 import logging
 
 from pdserve.scalers.desired_state import DesiredCount, decode_desired, text_map
-from router.cluster_keys import desired_replicas_key, scaler_status_key
+from router.cluster.keys import desired_replicas_key, scaler_status_key
 from router.ops.scaling import SCALABLE_ROLES, RoleScale, ScaleError, ScalerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class SupervisorScaler:
             raise ValueError(f"the {self.name} scaler needs --redis-url (the supervisor reads desired counts there)")
         if not secret:
             raise ValueError(f"the {self.name} scaler needs the cluster secret (it signs desired counts)")
-        from router.redis_settings import async_client  # credentials: from the environment
+        from router.cluster.redis_settings import async_client  # credentials: from the environment
 
         self._redis = async_client(redis_url, socket_timeout=REDIS_TIMEOUT_S,
                                    socket_connect_timeout=REDIS_TIMEOUT_S)

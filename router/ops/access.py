@@ -1,7 +1,7 @@
 """Who may read and who may change the cluster's roles: the admin key decision (pure, no I/O).
 
-The HTTP guard (router.http_guards.AdminGuardMiddleware) and the gRPC guard
-(router.grpc_guards.AdminInterceptor) both ask `AdminAccess`, so the two protocols refuse
+The HTTP guard (router.api.http_guards.AdminGuardMiddleware) and the gRPC guard
+(router.api.grpc_guards.AdminInterceptor) both ask `AdminAccess`, so the two protocols refuse
 alike. The admin key is distinct from the API key: the API key lets a client generate text,
 the admin key lets it add and remove workers.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from router.api_key import ApiKey
+from router.api.api_key import ApiKey
 from router.errors import Forbidden, RouterError, Unauthorized
 
 Access = Literal["read", "admin"]

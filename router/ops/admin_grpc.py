@@ -1,8 +1,8 @@
 """The public pdserve.v1.Admin service over the same RolesApi as the HTTP roles routes.
 
 Thin: decode, call one RolesApi method, encode. Access (API key for GetRoles, admin key for
-ScaleRole and DrainWorker) is decided before a method runs by router.grpc_guards.AdminInterceptor;
-RouterErrors end the call through router.grpc_errors (the one mapping).
+ScaleRole and DrainWorker) is decided before a method runs by router.api.grpc_guards.AdminInterceptor;
+RouterErrors end the call through router.api.grpc_errors (the one mapping).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 
 from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from router.errors import RouterError
-from router.grpc_guards import abort
+from router.api.grpc_guards import abort
 from router.ops.roles import RoleStatus, RolesApi
 
 ADMIN_SERVICE_NAME = "pdserve.v1.Admin"

@@ -6,7 +6,7 @@
     POST /v1/workers/{id}/drain     -> 202 {"worker_id", "started", "in_flight"}
 
 Access (API key for reads, admin key for changes) is decided before a route runs, by
-router.http_guards.AdminGuardMiddleware. Errors are RouterErrors, answered by the app's one
+router.api.http_guards.AdminGuardMiddleware. Errors are RouterErrors, answered by the app's one
 handler in vLLM's JSON shape.
 """
 

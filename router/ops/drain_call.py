@@ -1,7 +1,7 @@
 """The router's Drain call to one worker (the gRPC half of POST /v1/workers/{id}/drain).
 
 Drain returns at once on the worker (it finishes its in-flight requests, then exits), so the
-call is bounded like the other control call, Abort (router.worker_calls.WorkerTimeouts.abort_s).
+call is bounded like the other control call, Abort (router.routing.worker_calls.WorkerTimeouts.abort_s).
 The channel comes from the ClusterBackend's pool: internal, proving the cluster secret.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.cluster_keys import WorkerInfo
+from router.cluster.keys import WorkerInfo
 from router.errors import WorkerFailure
 from router.ops.roles import DrainOutcome
 

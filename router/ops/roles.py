@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
 from router.errors import Conflict, InvalidRequest, NotFound, RouterError, Unavailable
 from router.ops.scaling import SCALABLE_ROLES, RoleScale, Scaler, ScaleError, ScalerUnavailable
 

@@ -21,7 +21,7 @@ import pytest
 
 from pdserve.redis_server import EmbeddedRedis
 from proto.auth import CLUSTER_SECRET_ENV, generate_secret
-from router.redis_settings import PASSWORD_ENV
+from router.cluster.redis_settings import PASSWORD_ENV
 from tests.e2e.cluster import ROOT, free_port, start_cluster
 
 pytestmark = pytest.mark.slow

@@ -35,7 +35,7 @@ def test_up_prints_each_start_once_names_every_line_and_stops_without_a_warning(
         assert r.status_code == 200, r.text
         log = cluster.log
         for name in ("[prefill-0] worker_runtime.stats_log", "[decode-0] worker_runtime.stats_log",
-                     "[router] router.stats_log: Cluster: "):
+                     "[router] router.serving.stats_log: Cluster: "):
             wait_for(lambda: name in log.read_text(), 30, name)
         metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
         for role in ("prefill", "decode"):

@@ -17,13 +17,13 @@ from engine.core import CoreStats
 from engine.sampling_params import SamplingParams
 from proto.limits import NO_ROOM_METADATA_KEY
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.admission import AdmissionQueue, AdmissionSettings
-from router.backend import BackendRequest
-from router.cluster_backend import ClusterBackend
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
+from router.routing.admission import AdmissionQueue, AdmissionSettings
+from router.serving.backend import BackendRequest
+from router.routing.cluster_backend import ClusterBackend
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
 from router.errors import InvalidRequest, WorkerFailure
-from router.policy import RouteDecision
-from router.worker_calls import WorkerSilent, WorkerTimeouts
+from router.routing.policy import RouteDecision
+from router.routing.worker_calls import WorkerSilent, WorkerTimeouts
 from worker_runtime.status import TransferTotals, WorkerState, WorkerStatus
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from pdserve.redis_server import _resp, ping
-from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
-from router.redis_settings import PASSWORD_ENV, RedisAuth, sync_client
+from router.cluster.keys import WorkerInfo, signed_hash, worker_key, workers_set_key
+from router.cluster.redis_settings import PASSWORD_ENV, RedisAuth, sync_client
 from tests.e2e.cluster import start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -17,9 +17,9 @@ from engine.sampling_params import SamplingParams
 from engine.serving_loop import ServingLoop
 from worker_runtime.kv_events import KVEventPublisher
 from pdserve.redis_server import EmbeddedRedis
-from router.redis_settings import RedisAuth
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.kv_event_reader import KVEventReader
+from router.cluster.redis_settings import RedisAuth
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.cluster.kv_event_reader import KVEventReader
 
 pytestmark = pytest.mark.timeout(120)
 

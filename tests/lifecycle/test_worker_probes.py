@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.specs import WorkerSpec
 from proto.auth import load_cluster_secret
-from router.redis_settings import PASSWORD_ENV
+from router.cluster.redis_settings import PASSWORD_ENV
 from tests.lifecycle.pd_pair import config, loop_held, prompt
 from worker_runtime.process import WorkerProcess
 from worker_runtime.status import WorkerState

@@ -20,7 +20,7 @@ from pdserve.redis_server import (
     bundled_redis_server,
     ping,
 )
-from router.redis_settings import RedisAuth, sync_client
+from router.cluster.redis_settings import RedisAuth, sync_client
 
 pytestmark = pytest.mark.timeout(60)
 

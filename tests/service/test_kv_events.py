@@ -18,9 +18,9 @@ from engine.kv_cache.block_pool import BlockEvents, BlockPool
 from engine.kv_cache.hashing import hash_full_blocks
 from worker_runtime.kv_events import KVEventPublisher, order_events
 from pdserve.redis_server import EmbeddedRedis, free_port
-from router.redis_settings import PASSWORD_ENV, sync_client
-from router.cluster_keys import kv_events_key
-from router.kv_event_reader import KVEventReader
+from router.cluster.redis_settings import PASSWORD_ENV, sync_client
+from router.cluster.keys import kv_events_key
+from router.cluster.kv_event_reader import KVEventReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -268,7 +268,7 @@ def test_after_redis_restarts_the_worker_republishes_a_snapshot_and_the_index_ca
     assert publisher_logs[1].getMessage() == (
         f"block events to Redis at {first.url} work again; publishing a snapshot"
     )
-    reader_logs = [r for r in caplog.records if r.name == "router.kv_event_reader"]
+    reader_logs = [r for r in caplog.records if r.name == "router.cluster.kv_event_reader"]
     assert [r.levelname for r in reader_logs if r.levelno >= logging.WARNING] == ["WARNING"]
     assert reader_logs[-1].getMessage().startswith(
         f"block events from Redis at {first.url} readable again after "

@@ -11,9 +11,9 @@ from pdserve.launchers.scale_store import ScaleStore
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.scalers.desired_state import DesiredCount
 from pdserve.scalers.local import LocalScaler
-from router.cluster_keys import desired_replicas_key, scaler_status_key
+from router.cluster.keys import desired_replicas_key, scaler_status_key
 from router.ops.scaling import RoleScale, ScaleError, ScalerUnavailable
-from router.redis_settings import PASSWORD_ENV, sync_client
+from router.cluster.redis_settings import PASSWORD_ENV, sync_client
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,9 +12,9 @@ import pytest
 
 from worker_runtime.heartbeat import HeartbeatPublisher
 from pdserve.redis_server import EmbeddedRedis, free_port
-from router.redis_settings import PASSWORD_ENV, sync_client
-from router.cluster_keys import WorkerInfo, signed_hash, worker_key, workers_set_key
-from router.cluster_state import ClusterSnapshot, ClusterStateReader
+from router.cluster.redis_settings import PASSWORD_ENV, sync_client
+from router.cluster.keys import WorkerInfo, signed_hash, worker_key, workers_set_key
+from router.cluster.state import ClusterSnapshot, ClusterStateReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -273,7 +273,7 @@ def test_reader_routes_on_its_last_snapshot_while_redis_is_down_then_catches_up(
         if second is not None:
             second.stop()
 
-    reader_logs = [r for r in caplog.records if r.name == "router.cluster_state"]
+    reader_logs = [r for r in caplog.records if r.name == "router.cluster.state"]
     assert [r.levelname for r in reader_logs] == ["WARNING", "INFO"]
     assert reader_logs[1].getMessage().startswith(
         f"Redis at {url} is readable again after 2 failed reads; "
@@ -383,11 +383,11 @@ def test_a_reader_holding_the_secret_takes_only_signed_heartbeats(server, publis
             finally:
                 await reader.aclose()
 
-        with caplog.at_level(logging.WARNING, logger="router.cluster_state"):
+        with caplog.at_level(logging.WARNING, logger="router.cluster.state"):
             asyncio.run(main())
     finally:
         client.close()
-    warned = sorted(r.getMessage().split("'")[1] for r in caplog.records if r.name == "router.cluster_state")
+    warned = sorted(r.getMessage().split("'")[1] for r in caplog.records if r.name == "router.cluster.state")
     assert warned == ["fake", "other-secret", "victim"]  # once per worker id, not once per read
 
 

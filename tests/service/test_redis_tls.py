@@ -16,8 +16,8 @@ import redis
 
 from worker_runtime.heartbeat import HeartbeatPublisher
 from pdserve.redis_server import free_port
-from router.cluster_state import ClusterStateReader
-from router.redis_settings import PASSWORD_ENV, RedisAuth, sync_client
+from router.cluster.state import ClusterStateReader
+from router.cluster.redis_settings import PASSWORD_ENV, RedisAuth, sync_client
 from tests.service.test_redis_state import FakeWorker, wait_for_snapshot, worker_ids
 
 pytestmark = pytest.mark.timeout(60)

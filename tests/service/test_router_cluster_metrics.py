@@ -17,8 +17,8 @@ from pdserve.cli import build_parser
 from pdserve.redis_server import EmbeddedRedis
 from pdserve.router_main import build_service
 from proto.auth import CLUSTER_SECRET_ENV
-from router.http import HttpSettings, create_app
-from router.redis_settings import PASSWORD_ENV
+from router.api.http import HttpSettings, create_app
+from router.cluster.redis_settings import PASSWORD_ENV
 from worker_runtime.heartbeat import HeartbeatPublisher, heartbeat_info
 from worker_runtime.status import TransferTotals, WorkerState, WorkerStatus
 

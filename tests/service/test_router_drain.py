@@ -19,16 +19,16 @@ import pytest
 from pdserve.redis_server import EmbeddedRedis, free_port
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.cluster_backend import ClusterBackend
-from router.cluster_keys import signed_hash, worker_key, workers_set_key
-from router.cluster_state import ClusterStateReader
-from router.http import HttpSettings, create_app
+from router.routing.cluster_backend import ClusterBackend
+from router.cluster.keys import signed_hash, worker_key, workers_set_key
+from router.cluster.state import ClusterStateReader
+from router.api.http import HttpSettings, create_app
 from router.ops.access import AdminAccess
 from router.ops.drain_call import WorkerDrainer
 from router.ops.roles import RolesApi
-from router.policy import RouteRequest, least_loaded
-from router.readiness import readiness
-from router.redis_settings import PASSWORD_ENV, sync_client
+from router.routing.policy import RouteRequest, least_loaded
+from router.cluster.readiness import readiness
+from router.cluster.redis_settings import PASSWORD_ENV, sync_client
 from tests.unit.roles_doubles import worker
 from tests.unit.router_doubles import ScriptedBackend, make_service, token_steps
 

@@ -21,9 +21,9 @@ from pdserve.launchers.local import LocalCluster
 from pdserve.redis_server import free_port
 from pdserve.scalers.local import LocalScaler
 from proto.auth import load_cluster_secret
-from router.cluster_keys import worker_key
+from router.cluster.keys import worker_key
 from router.ops.scaling import RoleScale
-from router.redis_settings import PASSWORD_ENV, sync_client
+from router.cluster.redis_settings import PASSWORD_ENV, sync_client
 from tests.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.timeout(600)

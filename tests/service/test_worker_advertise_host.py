@@ -19,7 +19,7 @@ from pdserve.redis_server import EmbeddedRedis
 from proto.auth import load_cluster_secret
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.redis_settings import PASSWORD_ENV
+from router.cluster.redis_settings import PASSWORD_ENV
 from tests.service.test_worker_process import decode_spec, registered, start
 
 pytestmark = pytest.mark.timeout(300)

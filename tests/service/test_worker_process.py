@@ -30,8 +30,8 @@ from pdserve.specs import WorkerSpec
 from proto.auth import load_cluster_secret
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.cluster_keys import WorkerInfo, worker_key, workers_set_key
-from router.redis_settings import PASSWORD_ENV, sync_client
+from router.cluster.keys import WorkerInfo, worker_key, workers_set_key
+from router.cluster.redis_settings import PASSWORD_ENV, sync_client
 from tests.tiny_model import write_tiny_model
 from tests.worker_process import stop, wait_ready
 

@@ -3,7 +3,7 @@ drain call that records the workers it was asked to drain, and fixed cluster sna
 
 from __future__ import annotations
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
 from router.ops.roles import DrainOutcome, RolesApi
 from router.ops.scaling import RoleScale
 

@@ -17,9 +17,9 @@ from fastapi import FastAPI
 
 from engine.loader.locate import default_model_path
 from engine.tokenizer import Tokenizer, load_tokenizer
-from router.backend import BackendRequest, TokenDelta
-from router.http import HttpSettings, create_app
-from router.service import RouterService
+from router.serving.backend import BackendRequest, TokenDelta
+from router.api.http import HttpSettings, create_app
+from router.serving.service import RouterService
 
 Step = TokenDelta | Exception  # an exception is raised where it stands in the script
 Script = Sequence[Step] | Callable[[BackendRequest], Sequence[Step]]

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from router.admission import AdmissionQueue, AdmissionSettings, FreeRate
-from router.cluster_backend import check_fits_capacity
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
+from router.routing.admission import AdmissionQueue, AdmissionSettings, FreeRate
+from router.routing.cluster_backend import check_fits_capacity
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
 from router.errors import InvalidRequest, Overloaded
 
 

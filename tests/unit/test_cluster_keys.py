@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from router.cluster_keys import (
+from router.cluster.keys import (
     COUNTERS_SIGNATURE_FIELD,
     SIGNATURE_FIELD,
     ClusterSnapshot,

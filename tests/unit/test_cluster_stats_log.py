@@ -7,8 +7,8 @@ import asyncio
 import dataclasses
 import logging
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.stats_log import ClusterStats, StatsTicker, run_cluster_stats
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.serving.stats_log import ClusterStats, StatsTicker, run_cluster_stats
 
 
 def worker(worker_id: str, role: str, incarnation: str = "i1", **values) -> WorkerInfo:
@@ -77,6 +77,6 @@ def test_the_router_task_logs_a_cluster_line_when_the_cluster_worked(caplog):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    with caplog.at_level(logging.INFO, logger="router.stats_log"):
+    with caplog.at_level(logging.INFO, logger="router.serving.stats_log"):
         asyncio.run(main())
     assert [r.getMessage()[:52] for r in caplog.records] == ["Cluster: Avg prompt throughput: 10.0 tokens/s, Avg g"]

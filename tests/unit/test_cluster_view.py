@@ -3,10 +3,10 @@ in-flight prefill load folded into the snapshot the policy sees."""
 
 from __future__ import annotations
 
-from router.backend import RouteInfo
-from router.cluster_backend import ClusterBackend
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.cluster_view import cluster_body, role_totals
+from router.serving.backend import RouteInfo
+from router.routing.cluster_backend import ClusterBackend
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.cluster.view import cluster_body, role_totals
 
 
 def worker(worker_id: str, role: str, total: int, free: int, reserved: int = 0, cached: int = 0,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from proto.auth import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV
 from pdserve.launchers.secrets import secrets_env
-from router.redis_settings import PASSWORD_ENV, USERNAME_ENV, RedisAuth
+from router.cluster.redis_settings import PASSWORD_ENV, USERNAME_ENV, RedisAuth
 
 
 def test_a_cluster_secret_is_generated_when_the_user_set_none():

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.local_prefill import LocalPrefillRule, WithLocalPrefill, local_prefill
-from router.policy import RouteDecision, RouteRequest, make_policy
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.routing.local_prefill import LocalPrefillRule, WithLocalPrefill, local_prefill
+from router.routing.policy import RouteDecision, RouteRequest, make_policy
 
 
 def worker(worker_id: str, role: str, queued: int = 0) -> WorkerInfo:

@@ -53,7 +53,7 @@ def test_a_stats_line_in_json_carries_its_numbers():
     configure_logging("INFO", "json", "router")
     stream = io.StringIO()
     logging.getLogger().handlers[0].setStream(stream)
-    logging.getLogger("router.stats_log").info("Cluster: x", extra={"stats": {"running": 2}})
+    logging.getLogger("router.serving.stats_log").info("Cluster: x", extra={"stats": {"running": 2}})
     line = json.loads(stream.getvalue())
     assert (line["message"], line["stats"], line["role"], line["worker_id"]) == ("Cluster: x", {"running": 2},
                                                                                  "router", None)

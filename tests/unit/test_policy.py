@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.cluster_state import fence_incarnations
-from router.policy import (
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.cluster.state import fence_incarnations
+from router.routing.policy import (
     POLICIES,
     CacheAware,
     CacheAwareWeights,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.kv_cache.hashing import hash_full_blocks
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.policy import RouteRequest
-from router.prefix_index import BlockEvent, PrefixIndex, route_request
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.routing.policy import RouteRequest
+from router.routing.prefix_index import BlockEvent, PrefixIndex, route_request
 
 PROMPT = list(range(100, 164))  # 64 tokens: 4 blocks of 16, 2 blocks of 32
 H = hash_full_blocks(PROMPT, 16)  # h0..h3, chained
@@ -207,7 +207,7 @@ def test_route_request_ignores_entries_of_another_incarnation_than_the_heartbeat
 
 
 def test_a_routed_request_makes_its_workers_match_its_prompt_before_any_event():
-    from router.kv_event_reader import KVEventReader
+    from router.cluster.kv_event_reader import KVEventReader
 
     reader = KVEventReader("redis://127.0.0.1:1/0", "test")  # no I/O: only the index is used
     snap = snapshot(worker("p0", block_size=16), worker("d0", block_size=8), worker("p1"))

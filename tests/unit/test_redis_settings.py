@@ -1,4 +1,4 @@
-"""router/redis_settings.py: where every pdserve Redis client gets its credentials and TLS."""
+"""router/cluster/redis_settings.py: where every pdserve Redis client gets its credentials and TLS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis
 
-from router.redis_settings import (
+from router.cluster.redis_settings import (
     PASSWORD_ENV,
     PASSWORD_FILE_ENV,
     USERNAME_ENV,

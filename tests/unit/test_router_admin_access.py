@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.http import HttpSettings, create_app
+from router.api.http import HttpSettings, create_app
 from router.ops.access import AdminAccess, admin_route_access, is_loopback_host
 from tests.unit.roles_doubles import FakeScaler, RecordingDrain, roles_api
 from tests.unit.router_doubles import ScriptedBackend, call, make_service, token_steps

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc
-from router.grpc_api import start_grpc_server
+from router.api.grpc_api import start_grpc_server
 from router.ops.access import AdminAccess
 from router.ops.scaling import ScalerUnavailable
 from tests.unit.roles_doubles import FakeScaler, RecordingDrain, roles_api

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
-from router.backend import TokenDelta
-from router.choice import ChoiceTracker
-from router.results import Choice, ChoiceUpdate, Logprob, PositionLogprobs
-from router.types import TokenLogprobs
+from router.serving.backend import TokenDelta
+from router.serving.choice import ChoiceTracker
+from router.serving.results import Choice, ChoiceUpdate, Logprob, PositionLogprobs
+from router.serving.types import TokenLogprobs
 from tests.unit.router_doubles import smollm2_tokenizer
 
 PROMPT = (19556,)  # "Hello"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from router.openai_models import CompletionRequest
+from router.api.openai_models import CompletionRequest
 from tests.unit.router_doubles import ScriptedBackend, make_app, make_service, token_steps
 
 PARIS = [7042, 314, 9239, 30, 378, 1112]

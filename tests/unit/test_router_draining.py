@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from router.cluster_view import cluster_body
-from router.policy import RouteRequest, make_policy
-from router.readiness import Readiness, readiness
+from router.cluster.view import cluster_body
+from router.routing.policy import RouteRequest, make_policy
+from router.cluster.readiness import Readiness, readiness
 from tests.unit.roles_doubles import snapshot, worker
 
 # d-idle is the emptiest decode worker and p-idle the emptiest prefill worker, so a policy

@@ -15,7 +15,7 @@ from router.errors import (
     WorkerFailure,
     http_error,
 )
-from router.grpc_errors import grpc_status, grpc_status_name, grpc_trailing_metadata
+from router.api.grpc_errors import grpc_status, grpc_status_name, grpc_trailing_metadata
 
 
 def test_invalid_request_maps_to_400_bad_request_error_with_param():

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from engine.sampling_params import SamplingParams
-from router.backend import BackendRequest, TokenDelta
+from router.serving.backend import BackendRequest, TokenDelta
 from router.errors import Overloaded, WorkerFailure
-from router.fanout import FanOut
+from router.serving.fanout import FanOut
 from tests.unit.router_doubles import ScriptedBackend, token_steps
 
 

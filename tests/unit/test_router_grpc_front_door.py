@@ -8,8 +8,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.grpc_api import SERVICE_NAME, start_grpc_server
-from router.readiness import Readiness
+from router.api.grpc_api import SERVICE_NAME, start_grpc_server
+from router.cluster.readiness import Readiness
 from tests.unit.router_doubles import ScriptedBackend, make_service, token_steps
 
 PARIS = (7042, 314, 9239, 30, 378, 1112)  # " Paris", " is", " nice", ".", " The", " end"

@@ -10,7 +10,7 @@ import dataclasses
 import grpc
 
 from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.grpc_api import start_grpc_server
+from router.api.grpc_api import start_grpc_server
 from tests.unit.router_doubles import (
     ScriptedBackend,
     call,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.backend import TokenDelta
-from router.types import TokenLogprobs
+from router.serving.backend import TokenDelta
+from router.serving.types import TokenLogprobs
 from tests.unit.router_doubles import (
     CREATED,
     MODEL,

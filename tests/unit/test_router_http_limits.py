@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.http import HttpSettings, create_app
-from router.validation import RequestLimits
+from router.api.http import HttpSettings, create_app
+from router.api.validation import RequestLimits
 from tests.unit.router_doubles import ScriptedBackend, call, make_service, token_steps
 
 JSON = {"content-type": "application/json"}

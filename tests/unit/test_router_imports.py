@@ -25,7 +25,7 @@ def loaded_modules_after_import(module: str) -> dict[str, bool]:
 
 
 def test_importing_router_http_loads_no_torch_grpc_or_model():
-    assert loaded_modules_after_import("router.http") == {
+    assert loaded_modules_after_import("router.api.http") == {
         "torch": False,
         "grpc": False,
         "engine.model": False,
@@ -35,4 +35,4 @@ def test_importing_router_http_loads_no_torch_grpc_or_model():
 
 
 def test_importing_router_grpc_errors_does_not_load_grpc():
-    assert loaded_modules_after_import("router.grpc_errors")["grpc"] is False
+    assert loaded_modules_after_import("router.api.grpc_errors")["grpc"] is False

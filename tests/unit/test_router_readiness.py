@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
-from router.http import HttpSettings, create_app
-from router.readiness import Readiness, readiness
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
+from router.api.http import HttpSettings, create_app
+from router.cluster.readiness import Readiness, readiness
 from tests.unit.router_doubles import ScriptedBackend, call, make_service, token_steps
 
 

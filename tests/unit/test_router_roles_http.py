@@ -9,7 +9,7 @@ import time
 import pytest
 
 import router.ops.roles as roles_module
-from router.http import HttpSettings, create_app
+from router.api.http import HttpSettings, create_app
 from router.ops.access import AdminAccess
 from router.ops.scaling import ScaleError, ScalerUnavailable
 from tests.unit.roles_doubles import FakeScaler, RecordingDrain, roles_api

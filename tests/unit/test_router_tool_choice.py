@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from proto.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from router.grpc_api import start_grpc_server
+from router.api.grpc_api import start_grpc_server
 from tests.unit.router_doubles import ScriptedBackend, call, make_app, make_service, token_steps
 
 PARIS = [7042, 314, 9239, 30]  # " Paris", " is", " nice", "."

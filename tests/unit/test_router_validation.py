@@ -6,8 +6,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.errors import InvalidRequest, ModelNotFound
-from router.openai_models import ChatCompletionRequest, CompletionRequest
-from router.validation import (
+from router.api.openai_models import ChatCompletionRequest, CompletionRequest
+from router.api.validation import (
     Prompt,
     chat_logprobs,
     chat_prompt,

@@ -13,7 +13,7 @@ by the same parser as `pdserve prefill|decode|router`. Its methods (a threaded a
 
 Secrets reach the actor as a constructor argument (a dict of strings, sent over Ray's
 authenticated channel) and are put into its process environment, where the component reads
-them (proto/auth.py, router/redis_settings.py) as it does under `pdserve up`; they are never in
+them (proto/auth.py, router/cluster/redis_settings.py) as it does under `pdserve up`; they are never in
 argv and never in a runtime_env (which Ray's state API shows). Only strings, lists and dicts
 cross Ray here (msgpack-serialisable, no pickled objects of ours).
 

@@ -42,7 +42,7 @@ from pdserve.launchers.ray.handles import ActorProcess, RemoteRedis, first_line
 from pdserve.launchers.ray.placement import NODE_ADDRESS, placements_from_args, worker_host
 from pdserve.specs import RouterSpec, WorkerSpec
 from proto.auth import CLUSTER_SECRET_ENV
-from router.redis_settings import PASSWORD_ENV, RedisAuth, USERNAME_ENV
+from router.cluster.redis_settings import PASSWORD_ENV, RedisAuth, USERNAME_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The router's prefix index: which worker holds which KV block, from the workers' block events.
 
 Workers publish BlockEvents (stored, evicted, snapshot) to the cluster's Redis stream
-(pdserve/kv_events.py); the router's reader (router/kv_event_reader.py) applies them here in
+(pdserve/kv_events.py); the router's reader (router/cluster/kv_event_reader.py) applies them here in
 stream order. `match` then tells, for a prompt's chained block hashes, how many LEADING blocks
 each worker holds — the prefix it would not have to recompute (or receive).
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from engine.kv_cache.hashing import ROOT_HASH, BlockHash, hash_block
-from router.cluster_keys import ClusterSnapshot
-from router.policy import RouteRequest
+from router.cluster.keys import ClusterSnapshot
+from router.routing.policy import RouteRequest
 
 __all__ = [
     "EVENT_KINDS",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
 
 __all__ = ["role_totals", "worker_entry", "cluster_body"]
 

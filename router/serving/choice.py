@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from router.backend import TokenDelta
-from router.results import Choice, ChoiceUpdate, Logprob, PositionLogprobs
-from router.types import TokenLogprobs
+from router.serving.backend import TokenDelta
+from router.serving.results import Choice, ChoiceUpdate, Logprob, PositionLogprobs
+from router.serving.types import TokenLogprobs
 
 
 class ChoiceTracker:

@@ -4,7 +4,7 @@ Keys live under `pdserve:{cluster}:` (DESIGN.md, "Cluster state"):
 
     pdserve:{cluster}:workers             SET   worker ids that have heart-beaten
     pdserve:{cluster}:worker:{worker_id}  HASH  WorkerInfo.to_hash(), with a TTL
-    pdserve:{cluster}:kv_events           STREAM  block events (router/prefix_index.py BlockEvent)
+    pdserve:{cluster}:kv_events           STREAM  block events (router/routing/prefix_index.py BlockEvent)
     pdserve:{cluster}:scale:desired       HASH  role -> desired replicas (written by a scaler)
     pdserve:{cluster}:scale:status        HASH  the local supervisor's status, with a TTL
 

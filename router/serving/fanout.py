@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from router.backend import BackendRequest, GenerationBackend, TokenDelta
+from router.serving.backend import BackendRequest, GenerationBackend, TokenDelta
 from router.errors import WorkerFailure
 
 logger = logging.getLogger(__name__)

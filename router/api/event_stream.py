@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from router.fanout import run_shielded
+from router.serving.fanout import run_shielded
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

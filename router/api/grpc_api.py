@@ -1,9 +1,9 @@
 """The public gRPC API (pdserve.v1.Generation) over the same RouterService as HTTP.
 
 Thin: each RPC builds the OpenAI-shaped request RouterService takes, calls it, and encodes
-the result; errors map to status codes in router.grpc_errors (one place). The API key and
-undecodable messages are handled before any method by router.grpc_guards. The health service
-follows the router's readiness (router.readiness), refreshed by a background task.
+the result; errors map to status codes in router.api.grpc_errors (one place). The API key and
+undecodable messages are handled before any method by router.api.grpc_guards. The health service
+follows the router's readiness (router.cluster.readiness), refreshed by a background task.
 
 `request_id` in a GenerateRequest is the client's label: echoed in every reply, never a key
 (the service names backend requests itself, so two calls reusing one id do not collide).
@@ -24,20 +24,20 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.pdserve.v1 import admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 from router.errors import InvalidRequest, RouterError
-from router.grpc_guards import AdminInterceptor, FrontDoorInterceptor, abort
+from router.api.grpc_guards import AdminInterceptor, FrontDoorInterceptor, abort
 from router.ops.access import AdminAccess
 from router.ops.admin_grpc import ADMIN_METHODS, ADMIN_SERVICE_NAME, AdminServicer
 from router.ops.roles import RolesApi
-from router.openai_models import (
+from router.api.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     StreamOptions,
     TokenizeCompletionRequest,
 )
-from router.readiness import Readiness
-from router.results import ChoiceUpdate, StreamFailure, Usage, UsageReport
-from router.validation import DEFAULT_MAX_REQUEST_BYTES
+from router.cluster.readiness import Readiness
+from router.serving.results import ChoiceUpdate, StreamFailure, Usage, UsageReport
+from router.api.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 

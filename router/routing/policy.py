@@ -2,7 +2,7 @@
 
 A policy is `choose(request, snapshot, rng) -> RouteDecision | None`: it reads only its
 arguments, and returns None when the snapshot has no worker that can decode. Reading Redis,
-counting decisions and logging them are the driver's job (router/cluster_state.py and the
+counting decisions and logging them are the driver's job (router/cluster/state.py and the
 router), so policies are tested with fixed snapshots and a seeded rng.
 
 Workers with role "both" are candidates on either side. When one worker is chosen for both,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.registry import Registry
-from router.cluster_keys import ClusterSnapshot, WorkerInfo
+from router.cluster.keys import ClusterSnapshot, WorkerInfo
 
 __all__ = [
     "POLICIES",

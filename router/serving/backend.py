@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.sampling_params import SamplingParams
-from router.types import TokenLogprobs
+from router.serving.types import TokenLogprobs
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -8,7 +8,7 @@ stream order. `caught_up` turns True once a read returns less than a full batch.
 
 Stale workers: the index fences retired incarnations itself; the router calls
 `prune(snapshot)` with its ClusterSnapshots so workers whose heartbeat expired are dropped, and
-a heartbeat's newer incarnation replaces older entries (router/prefix_index.py).
+a heartbeat's newer incarnation replaces older entries (router/routing/prefix_index.py).
 
 Redis down: the index is kept (routing goes on with what it knew), reads are retried with
 exponential backoff, one warning per outage and one info when Redis is back; the task never
@@ -28,10 +28,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from engine.kv_cache.hashing import BlockHash
-from router.cluster_keys import ClusterSnapshot, kv_events_key
-from router.policy import RouteRequest
-from router.prefix_index import BlockEvent, PrefixIndex, prompt_block_hashes, route_request
-from router.redis_settings import RedisAuth, async_client, redact_url
+from router.cluster.keys import ClusterSnapshot, kv_events_key
+from router.routing.policy import RouteRequest
+from router.routing.prefix_index import BlockEvent, PrefixIndex, prompt_block_hashes, route_request
+from router.cluster.redis_settings import RedisAuth, async_client, redact_url
 
 __all__ = ["KVEventReader"]
 
@@ -65,7 +65,7 @@ class KVEventReader:
         """block_ms: the longest one XREAD waits for new entries (bounds how long aclose and
         outage detection take). timeout_s: socket slack beyond block_ms. clock: wall clock,
         compared with entry ids (Redis's ms clock) for lag_s. auth: Redis credentials (None:
-        the URL's, else the environment's; router/redis_settings.py)."""
+        the URL's, else the environment's; router/cluster/redis_settings.py)."""
         if block_ms < 1 or count < 1 or timeout_s <= 0 or not 0 < backoff_min_s <= backoff_max_s:
             raise ValueError("block_ms, count >= 1; timeout_s > 0; 0 < backoff_min_s <= backoff_max_s")
         self.redis_url = redact_url(redis_url)

@@ -3,7 +3,7 @@
 For one backend request:
   1. refuse at once what can never fit: prompt + max_tokens above every decode worker's whole
      KV cache (400 with the numbers);
-  2. admission (router/admission.py): choose (prefill, decode) from the cluster snapshot (a
+  2. admission (router/routing/admission.py): choose (prefill, decode) from the cluster snapshot (a
      pure policy) and call Decode on the decode worker -> its first event is the ticket, or
      its marked no-room refusal (then the next decode worker is tried); nobody has room -> wait
      in the router's FIFO queue, or 503 + Retry-After when the queue's bounds are hit; any
@@ -15,7 +15,7 @@ For one backend request:
   4. the first token goes to the client, then the decode stream's tokens.
 Leaving early (client gone, stop string, error) aborts the request on both workers. Every end
 tells the admission queue how many blocks were freed. Every call has a deadline
-(router/worker_calls.py): a decode stream silent for stream_idle_s ends with an explicit error.
+(router/routing/worker_calls.py): a decode stream silent for stream_idle_s ends with an explicit error.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import grpc
 from proto.convert import params_to_proto
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.admission import AdmissionQueue, AdmissionSettings
-from router.backend import BackendRequest, RouteInfo, TokenDelta
-from router.cluster_state import ClusterSnapshot
+from router.routing.admission import AdmissionQueue, AdmissionSettings
+from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
+from router.cluster.state import ClusterSnapshot
 from router.errors import InvalidRequest, Overloaded, WorkerFailure
-from router.policy import RouteDecision, RouteRequest, prompt_blocks
-from router.types import TokenLogprobs
-from router.worker_calls import (
+from router.routing.policy import RouteDecision, RouteRequest, prompt_blocks
+from router.serving.types import TokenLogprobs
+from router.routing.worker_calls import (
     WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within, request_error)
 
 logger = logging.getLogger(__name__)

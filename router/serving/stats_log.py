@@ -22,8 +22,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router.cluster_keys import ClusterSnapshot
-from router.cluster_view import role_totals
+from router.cluster.keys import ClusterSnapshot
+from router.cluster.view import role_totals
 
 __all__ = ["ClusterStats", "StatsSample", "StatsTicker", "run_cluster_stats", "stats_fields", "stats_text"]
 

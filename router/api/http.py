@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (vLLM's surface) over a RouterService.
 
 Handlers are thin: FastAPI decodes the body, the handler calls one service method, and
-router.openai_encode shapes the JSON. RouterErrors become HTTP responses in `http_guards.error_response`
-only. Three ASGI guards (router.http_guards) wrap every route: the request id (X-Request-Id
+router.api.openai_encode shapes the JSON. RouterErrors become HTTP responses in `http_guards.error_response`
+only. Three ASGI guards (router.api.http_guards) wrap every route: the request id (X-Request-Id
 echoed, or a new uuid), the API key check (all routes but /health and /ready) and the body size
 limit. Framework refusals (unknown route, wrong method, a body that is not JSON) get vLLM's
 error shape too, never FastAPI's `{"detail": ...}`.
@@ -28,9 +28,9 @@ from router.errors import (
     RouterError,
     WorkerFailure,
 )
-from router.event_stream import EventStreamResponse, wait_for_disconnect
-from router.metrics import PROMETHEUS_CONTENT_TYPE
-from router.openai_encode import (
+from router.api.event_stream import EventStreamResponse, wait_for_disconnect
+from router.serving.metrics import PROMETHEUS_CONTENT_TYPE
+from router.api.openai_encode import (
     ChatChunks,
     ChunkEncoder,
     CompletionChunks,
@@ -41,14 +41,14 @@ from router.openai_encode import (
     sse_lines,
     tokenize_body,
 )
-from router.openai_models import (
+from router.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from router.http_guards import (
+from router.api.http_guards import (
     AdminGuardMiddleware,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -59,10 +59,10 @@ from router.ops.access import AdminAccess
 from router.ops.admin_http import admin_routes
 from router.ops.roles import RolesApi
 from router.ops.roles_metrics import RolesCollector
-from router.readiness import Readiness
-from router.results import ResponseHead
-from router.validation import DEFAULT_MAX_REQUEST_BYTES
-from router.service import ResponseStream, RouterService
+from router.cluster.readiness import Readiness
+from router.serving.results import ResponseHead
+from router.api.validation import DEFAULT_MAX_REQUEST_BYTES
+from router.serving.service import ResponseStream, RouterService
 
 T = TypeVar("T")
 PATH_HEADER = "x-pdserve-path"

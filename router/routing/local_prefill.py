@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from router.cluster_keys import ClusterSnapshot
-from router.policy import Policy, RouteDecision, RouteRequest
+from router.cluster.keys import ClusterSnapshot
+from router.routing.policy import Policy, RouteDecision, RouteRequest
 
 __all__ = ["LocalPrefillRule", "WithLocalPrefill", "local_prefill"]
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from router.errors import RouterError, http_error
-from router.results import (
+from router.serving.results import (
     Choice,
     ChoiceUpdate,
     CompletionResult,
@@ -26,7 +26,7 @@ from router.results import (
     Usage,
     UsageReport,
 )
-from router.service import ResponseStream
+from router.serving.service import ResponseStream
 
 JSON = dict[str, Any]
 SSE_DONE = "data: [DONE]\n\n"

@@ -1,4 +1,4 @@
-"""What RouterService returns: API-neutral results that router.openai_encode turns into JSON."""
+"""What RouterService returns: API-neutral results that router.api.openai_encode turns into JSON."""
 
 from __future__ import annotations
 

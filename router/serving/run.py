@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from router.backend import BackendRequest, GenerationBackend
-from router.choice import ChoiceTracker
-from router.fanout import FanOut, run_shielded
-from router.metrics import RouterMetrics
-from router.results import ChoiceUpdate, CompletionResult, ResponseHead, Usage
-from router.validation import Prompt
+from router.serving.backend import BackendRequest, GenerationBackend
+from router.serving.choice import ChoiceTracker
+from router.serving.fanout import FanOut, run_shielded
+from router.serving.metrics import RouterMetrics
+from router.serving.results import ChoiceUpdate, CompletionResult, ResponseHead, Usage
+from router.api.validation import Prompt
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from router.cluster_keys import ClusterSnapshot
+from router.cluster.keys import ClusterSnapshot
 
 
 @dataclass(frozen=True)

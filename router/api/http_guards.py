@@ -13,7 +13,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.api_key import ApiKey
+from router.api.api_key import ApiKey
 from router.errors import PayloadTooLarge, RouterError, Unauthorized, http_error
 from router.ops.access import AdminAccess, admin_route_access
 

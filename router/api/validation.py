@@ -14,7 +14,7 @@ import jinja2
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.errors import InvalidRequest, ModelNotFound
-from router.openai_models import (
+from router.api.openai_models import (
     ChatCompletionRequest,
     ChatTemplateFields,
     CompletionRequest,

@@ -1,11 +1,11 @@
 """The public gRPC API's guards, run before any servicer method: the API key and decoding.
 
-The gRPC twin of router.http_guards. One server interceptor wraps every method of
+The gRPC twin of router.api.http_guards. One server interceptor wraps every method of
 pdserve.v1.Generation (another, AdminInterceptor, pdserve.v1.Admin's, with the admin key): without `authorization: Bearer <key>` metadata (when a key is set) the
 call ends UNAUTHENTICATED; bytes that do not decode as the request message end it
 INVALID_ARGUMENT (grpc's own deserializer would answer INTERNAL/UNKNOWN). Health and
 reflection stay open: probes carry no credentials, and reflection only describes the public
-schema. Status codes come from router.grpc_errors (the one mapping).
+schema. Status codes come from router.api.grpc_errors (the one mapping).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from router.api_key import ApiKey
+from router.api.api_key import ApiKey
 from router.ops.access import Access, AdminAccess
 from router.errors import InvalidRequest, RouterError, Unauthorized
-from router.grpc_errors import grpc_status, grpc_trailing_metadata
+from router.api.grpc_errors import grpc_status, grpc_trailing_metadata
 
 
 class Undecodable:

@@ -26,10 +26,10 @@ from typing import TypeVar
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto.log_context import set_request_id
-from router.backend import GenerationBackend
+from router.serving.backend import GenerationBackend
 from router.errors import RouterError, WorkerFailure
-from router.metrics import RouterMetrics
-from router.openai_models import (
+from router.serving.metrics import RouterMetrics
+from router.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -37,7 +37,7 @@ from router.openai_models import (
     TokenizeCompletionRequest,
     TokenizeRequest,
 )
-from router.results import (
+from router.serving.results import (
     ChoiceUpdate,
     CompletionResult,
     DetokenizeResult,
@@ -48,8 +48,8 @@ from router.results import (
     TokenizeResult,
     UsageReport,
 )
-from router.run import GenerationPlan, GenerationRun, drain
-from router.validation import (
+from router.serving.run import GenerationPlan, GenerationRun, drain
+from router.api.validation import (
     Prompt,
     RequestLimits,
     chat_logprobs,

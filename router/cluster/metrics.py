@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from router.cluster_view import role_totals
+from router.cluster.view import role_totals
 
 _ROLE = ["role"]
 _WORKER = ["role", "worker_id"]

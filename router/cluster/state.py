@@ -27,7 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from router.cluster_keys import (
+from router.cluster.keys import (
     ClusterSnapshot,
     UnsignedEntry,
     WorkerInfo,
@@ -35,7 +35,7 @@ from router.cluster_keys import (
     worker_key,
     workers_set_key,
 )
-from router.redis_settings import RedisAuth, async_client, redact_url
+from router.cluster.redis_settings import RedisAuth, async_client, redact_url
 
 __all__ = ["ClusterSnapshot", "ClusterStateReader", "Fence", "fence_incarnations"]
 

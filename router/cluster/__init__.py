@@ -1,0 +1,1 @@
+"""Cluster state: Redis keys, heartbeat snapshots, block events, the cluster-wide view and metrics."""

@@ -1,0 +1,1 @@
+"""Serving one client request: the RouterService, its runs and choices, the backend seam, request metrics."""
