@@ -96,6 +96,9 @@ class HttpSettings:
     """Serves /v1/roles and /v1/workers/{id}/drain; None: those routes answer 404."""
     admin_access: AdminAccess | None = None
     """Who may read and change the roles; required with `roles`."""
+    ops_routes: tuple[APIRouter, ...] = ()
+    """The ops pages and data (dashboard, timelines, planner), included after the API's routes;
+    the same guards decide access (router.ops.access)."""
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -127,6 +130,8 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
         app.include_router(admin_routes(settings.roles))
         # Beside the route that refreshes its view before each scrape (see /metrics).
         service.metrics.registry.register(RolesCollector(settings.roles))
+    for routes in settings.ops_routes:
+        app.include_router(routes)
     # The last added runs first: id (so every refusal carries it), admin access, key, then body
     # size (so an unauthenticated client cannot make the router buffer a body).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)

@@ -25,7 +25,7 @@ import logging
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -63,6 +63,26 @@ class TransferTotals:
     seconds: float = 0.0
     prefill_retries: int = 0
     decode_rejections: int = 0
+    by_link: dict[tuple[str, str], "LinkTotals"] = field(default_factory=dict)
+    """Per (prefill worker, decode worker): what crossed that data channel."""
+
+    def add(self, prefill_id: str, decode_id: str, nbytes: int, seconds: float) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+        self.seconds += seconds
+        link = self.by_link.setdefault((prefill_id, decode_id), LinkTotals())
+        link.count += 1
+        link.nbytes += nbytes
+        link.seconds += seconds
+
+
+@dataclass
+class LinkTotals:
+    """KV transfers over one prefill -> decode data channel."""
+
+    count: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -350,9 +370,7 @@ class ClusterBackend:
                 logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
                                request.request_id, worker_id, exc.code().name, exc.details())
                 continue
-            self.transfers.count += 1
-            self.transfers.nbytes += reply.transfer.bytes
-            self.transfers.seconds += reply.transfer.seconds
+            self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, reply.transfer.seconds)
             return TokenDelta(
                 token_ids=(reply.first_token_id,),
                 logprobs=(_logprobs(reply.first_logprobs),) if reply.HasField("first_logprobs") else (),

@@ -1,0 +1,150 @@
+"""Per-request P/D timelines: where each request's time went, kept in a bounded ring.
+
+A `Timeline` is written once, when its client request ends (every path: done, stop string,
+error, client gone), by the serving path's recorder; the ring (`TimelineStore`) keeps the last
+`capacity` of them by the request id the client saw in `X-Request-Id`. A later request reusing
+an id replaces the earlier one. Readers (the timeline routes, the dashboard's waterfall, the
+dashboard history and the planner) only read frozen values; subscribers are called on the
+event loop that records, so they must not block.
+
+Times: `arrival_unix` is the router's wall clock at arrival; every phase and mark is in
+milliseconds since arrival on the router's monotonic clock. The phases are contiguous and in
+order: each starts where the previous ended, the first at 0 and the last at `e2e_ms`, so they
+add up to the end-to-end time. Worker-side times (prefill compute, KV transfer) are durations
+measured on the worker, reported as `detail` of the router-side phase that contains them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+DEFAULT_TIMELINE_CAPACITY = 1000
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    """e.g. "validate", "admission_wait", "reserve", "prefill", "decode" (the recorder's list)."""
+    start_ms: float
+    end_ms: float
+    detail: tuple[tuple[str, float | str], ...] = ()
+    """Numbers and names measured inside the phase (worker-side seconds, tokens, worker ids)."""
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass(frozen=True)
+class Mark:
+    name: str
+    """A point in time: "first_token", "last_token"."""
+    at_ms: float
+
+
+@dataclass(frozen=True)
+class RouteSummary:
+    prefill_id: str | None
+    """None: the decode worker prefilled the prompt itself."""
+    decode_id: str
+    reason: str
+    """The policy's one-line reason."""
+    inputs: tuple[tuple[str, float], ...] = ()
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
+class TransferSummary:
+    nbytes: int
+    seconds: float
+    num_blocks: int
+    """Blocks sent over the data channel."""
+    blocks_skipped: int
+    """Prompt blocks the decode worker already held (its prefix-cache hit): not sent."""
+    backend: str
+
+    @property
+    def gbps(self) -> float:
+        """GB/s (1e9 bytes per second); 0 when nothing was timed."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    request_id: str
+    """The id returned in X-Request-Id."""
+    arrival_unix: float
+    e2e_ms: float
+    phases: tuple[Phase, ...]
+    """Contiguous, in order, from 0 to e2e_ms (of the first sequence when n > 1)."""
+    marks: tuple[Mark, ...] = ()
+    finish_reason: str | None = None
+    """"stop", "length", "abort", or "error"; None only while unfinished (never stored)."""
+    path: str | None = None
+    """"disaggregated" or "colocated"."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    route: RouteSummary | None = None
+    transfer: TransferSummary | None = None
+    error: str | None = None
+    """The message of the error the request ended with, if any."""
+    sequences: int = 1
+    """Backend requests of this client request (prompts x n); the phases are the first's."""
+    model: str = ""
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return next((m.at_ms for m in self.marks if m.name == "first_token"), None)
+
+    def to_json(self) -> dict[str, object]:
+        body = asdict(self)
+        body["phases"] = [{**asdict(p), "detail": dict(p.detail), "duration_ms": p.duration_ms}
+                          for p in self.phases]
+        body["ttft_ms"] = self.ttft_ms
+        if self.route is not None:
+            body["route"] = {**asdict(self.route), "inputs": dict(self.route.inputs)}
+        if self.transfer is not None:
+            body["transfer"] = {**asdict(self.transfer), "gbps": self.transfer.gbps}
+        return body
+
+
+@dataclass
+class TimelineStore:
+    """The last `capacity` timelines by request id (memory bounded by capacity)."""
+
+    capacity: int = DEFAULT_TIMELINE_CAPACITY
+    _ring: OrderedDict[str, Timeline] = field(default_factory=OrderedDict)
+    _subscribers: list[Callable[[Timeline], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"timeline capacity must be >= 1, got {self.capacity}")
+
+    def put(self, timeline: Timeline) -> None:
+        """Stores it (evicting the oldest beyond capacity), then tells each subscriber."""
+        self._ring.pop(timeline.request_id, None)
+        self._ring[timeline.request_id] = timeline
+        while len(self._ring) > self.capacity:
+            self._ring.popitem(last=False)
+        for callback in self._subscribers:
+            callback(timeline)
+
+    def subscribe(self, callback: Callable[[Timeline], None]) -> None:
+        """callback(timeline) after each put; runs on the recording loop, must not block."""
+        self._subscribers.append(callback)
+
+    def get(self, request_id: str) -> Timeline | None:
+        return self._ring.get(request_id)
+
+    def recent(self, limit: int) -> list[Timeline]:
+        """Newest first."""
+        return list(reversed(self._ring.values()))[:limit]
+
+    def slowest(self, limit: int) -> list[Timeline]:
+        """Longest end-to-end first."""
+        return sorted(self._ring.values(), key=lambda t: t.e2e_ms, reverse=True)[:limit]
+
+    def __len__(self) -> int:
+        return len(self._ring)
