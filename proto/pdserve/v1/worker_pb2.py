@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as proto_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\x9d\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11ticket_timeout_ms\x18\x04 \x01(\r\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\"\x91\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\x03\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"f\n\x0b\x44\x65\x63odeEvent\x12$\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.TicketH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x07\n\x05\x65vent\"z\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"T\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"\xa4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12+\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\"]\n\x12OpenChannelRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"Q\n\x13OpenChannelResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x12\n\nchannel_id\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x9c\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\r\x12\x15\n\rcached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12\r\n\x05state\x18\x0c \x01(\t\x12\x11\n\tin_flight\x18\r \x01(\r\"6\n\x0c\x44rainRequest\x12\x17\n\ntimeout_ms\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"3\n\rDrainResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r2\xd6\x02\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12N\n\x0bOpenChannel\x12\x1e.pdserve.v1.OpenChannelRequest\x1a\x1f.pdserve.v1.OpenChannelResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse2\x8b\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\xb9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11ticket_timeout_ms\x18\x04 \x01(\r\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x1a\n\x12stream_first_token\x18\x06 \x01(\x08\"\x91\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\x03\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"f\n\x0b\x44\x65\x63odeEvent\x12$\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.TicketH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x07\n\x05\x65vent\"\x8e\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x12\n\nsampled_at\x18\x05 \x03(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"T\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"K\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x03 \x01(\x01\"\xcf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12+\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12)\n\x06timing\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\"]\n\x12OpenChannelRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"Q\n\x13OpenChannelResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x12\n\nchannel_id\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x9c\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\r\x12\x15\n\rcached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12\r\n\x05state\x18\x0c \x01(\t\x12\x11\n\tin_flight\x18\r \x01(\r\"6\n\x0c\x44rainRequest\x12\x17\n\ntimeout_ms\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"3\n\rDrainResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r2\xd6\x02\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12N\n\x0bOpenChannel\x12\x1e.pdserve.v1.OpenChannelRequest\x1a\x1f.pdserve.v1.OpenChannelResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse2\x8b\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,37 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve.v1.worker_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=77
-  _globals['_DECODEREQUEST']._serialized_end=234
-  _globals['_TICKET']._serialized_start=237
-  _globals['_TICKET']._serialized_end=382
-  _globals['_DECODEEVENT']._serialized_start=384
-  _globals['_DECODEEVENT']._serialized_end=486
-  _globals['_TOKENCHUNK']._serialized_start=488
-  _globals['_TOKENCHUNK']._serialized_end=610
-  _globals['_PREFILLREQUEST']._serialized_start=613
-  _globals['_PREFILLREQUEST']._serialized_end=757
-  _globals['_TRANSFERSTATS']._serialized_start=759
-  _globals['_TRANSFERSTATS']._serialized_end=843
-  _globals['_PREFILLRESPONSE']._serialized_start=846
-  _globals['_PREFILLRESPONSE']._serialized_end=1010
-  _globals['_OPENCHANNELREQUEST']._serialized_start=1012
-  _globals['_OPENCHANNELREQUEST']._serialized_end=1105
-  _globals['_OPENCHANNELRESPONSE']._serialized_start=1107
-  _globals['_OPENCHANNELRESPONSE']._serialized_end=1188
-  _globals['_ABORTREQUEST']._serialized_start=1190
-  _globals['_ABORTREQUEST']._serialized_end=1224
-  _globals['_ABORTRESPONSE']._serialized_start=1226
-  _globals['_ABORTRESPONSE']._serialized_end=1258
-  _globals['_LOADREQUEST']._serialized_start=1260
-  _globals['_LOADREQUEST']._serialized_end=1273
-  _globals['_LOADREPORT']._serialized_start=1276
-  _globals['_LOADREPORT']._serialized_end=1560
-  _globals['_DRAINREQUEST']._serialized_start=1562
-  _globals['_DRAINREQUEST']._serialized_end=1616
-  _globals['_DRAINRESPONSE']._serialized_start=1618
-  _globals['_DRAINRESPONSE']._serialized_end=1669
-  _globals['_DECODEWORKER']._serialized_start=1672
-  _globals['_DECODEWORKER']._serialized_end=2014
-  _globals['_PREFILLWORKER']._serialized_start=2017
-  _globals['_PREFILLWORKER']._serialized_end=2284
+  _globals['_DECODEREQUEST']._serialized_end=262
+  _globals['_TICKET']._serialized_start=265
+  _globals['_TICKET']._serialized_end=410
+  _globals['_DECODEEVENT']._serialized_start=412
+  _globals['_DECODEEVENT']._serialized_end=514
+  _globals['_TOKENCHUNK']._serialized_start=517
+  _globals['_TOKENCHUNK']._serialized_end=659
+  _globals['_PREFILLREQUEST']._serialized_start=662
+  _globals['_PREFILLREQUEST']._serialized_end=806
+  _globals['_TRANSFERSTATS']._serialized_start=808
+  _globals['_TRANSFERSTATS']._serialized_end=892
+  _globals['_PREFILLTIMING']._serialized_start=894
+  _globals['_PREFILLTIMING']._serialized_end=969
+  _globals['_PREFILLRESPONSE']._serialized_start=972
+  _globals['_PREFILLRESPONSE']._serialized_end=1179
+  _globals['_OPENCHANNELREQUEST']._serialized_start=1181
+  _globals['_OPENCHANNELREQUEST']._serialized_end=1274
+  _globals['_OPENCHANNELRESPONSE']._serialized_start=1276
+  _globals['_OPENCHANNELRESPONSE']._serialized_end=1357
+  _globals['_ABORTREQUEST']._serialized_start=1359
+  _globals['_ABORTREQUEST']._serialized_end=1393
+  _globals['_ABORTRESPONSE']._serialized_start=1395
+  _globals['_ABORTRESPONSE']._serialized_end=1427
+  _globals['_LOADREQUEST']._serialized_start=1429
+  _globals['_LOADREQUEST']._serialized_end=1442
+  _globals['_LOADREPORT']._serialized_start=1445
+  _globals['_LOADREPORT']._serialized_end=1729
+  _globals['_DRAINREQUEST']._serialized_start=1731
+  _globals['_DRAINREQUEST']._serialized_end=1785
+  _globals['_DRAINRESPONSE']._serialized_start=1787
+  _globals['_DRAINRESPONSE']._serialized_end=1838
+  _globals['_DECODEWORKER']._serialized_start=1841
+  _globals['_DECODEWORKER']._serialized_end=2183
+  _globals['_PREFILLWORKER']._serialized_start=2186
+  _globals['_PREFILLWORKER']._serialized_end=2453
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket_timeout_ms", "local_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket_timeout_ms", "local_prefill", "stream_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TICKET_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     ticket_timeout_ms: int
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ticket_timeout_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    stream_first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ticket_timeout_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., stream_first_token: _Optional[bool] = ...) -> None: ...
 
 class Ticket(_message.Message):
     __slots__ = ("ticket_id", "decode_worker_id", "decode_address", "num_cached_tokens", "num_blocks", "incarnation")
@@ -46,16 +48,18 @@ class DecodeEvent(_message.Message):
     def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "sampled_at")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_AT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     finish_reason: str
     stop_token_id: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    sampled_at: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., sampled_at: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket")
@@ -81,17 +85,29 @@ class TransferStats(_message.Message):
     backend: str
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
+class PrefillTiming(_message.Message):
+    __slots__ = ("queue_s", "compute_s", "first_token_at")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    compute_s: float
+    first_token_at: float
+    def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., first_token_at: _Optional[float] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "transfer")
+    __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "transfer", "timing")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprobs: _common_pb2.TokenLogprobs
     num_cached_tokens: int
     transfer: TransferStats
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    timing: PrefillTiming
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
 
 class OpenChannelRequest(_message.Message):
     __slots__ = ("prefill_worker_id", "prefill_incarnation", "backend")
