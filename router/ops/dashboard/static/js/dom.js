@@ -13,7 +13,7 @@ export function h(tag, props = {}, ...children) {
     else if (name in el) el[name] = value;
     else el.setAttribute(name, value === true ? "" : String(value));
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     el.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -21,7 +21,7 @@ export function h(tag, props = {}, ...children) {
 }
 
 export function fill(parent, ...children) {
-  parent.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
+  parent.replaceChildren(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
 }
 
 export function num(value, digits = 0) {

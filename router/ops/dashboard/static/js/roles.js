@@ -42,7 +42,9 @@ function makeCard(role) {
   card.minus.addEventListener("click", () => scaleTo(card, base(card) - 1));
   card.plus.addEventListener("click", () => scaleTo(card, base(card) + 1));
   card.set.addEventListener("click", () => scaleTo(card, card.input.value));
-  const headers = ["worker", "state", "KV blocks: used / reserved / cached / free", "running", "waiting", "heartbeat", ""];
+  const key = (part) => [h("span", { class: `swatch ${part}` }), part];
+  const kvHeader = ["KV blocks: ", key("used"), " / ", key("reserved"), " / ", key("cached"), " / ", key("free")];
+  const headers = ["worker", "state", kvHeader, "running", "waiting", "heartbeat", ""];
   card.root = h("section", { class: "panel role", id: `role-${role}`, dataset: { role } },
     h("h2", {}, role, " ", card.pending),
     h("p", { class: "counts" }, "desired ", card.desiredEl, " · ready ", card.readyEl,
@@ -66,6 +68,8 @@ async function scaleTo(card, value) {
     const status = await scaleRole(card.role, replicas);
     card.desired = status.desired;
     card.desiredEl.textContent = num(status.desired);
+    card.pending.hidden = false; // until the next state says what is left to do
+    card.pending.textContent = `pending: ${status.desired} requested`;
     delete card.input.dataset.dirty;
     notify(`${card.role}: desired ${status.desired} (ready ${status.ready})`, "ok");
   } catch (err) {
@@ -136,6 +140,7 @@ function updateRow(row, w) {
   row.state.textContent = w.state;
   row.state.className = `state ${w.state}`;
   row.id.title = `${w.address} · incarnation ${w.incarnation}`;
+  row.tr.dataset.incarnation = w.incarnation;
   row.running.textContent = num(w.num_running);
   row.waiting.textContent = num(w.num_waiting);
   row.age.textContent = `${num(w.heartbeat_age_s, 1)} s`;
