@@ -285,10 +285,9 @@ def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
 # the dashboard is always served (its data under the API key, like every /v1 route).
 
 
-def build_dashboard(args: argparse.Namespace, service, backend, reader, roles, api_key: str | None,
-                    timelines=None):
+def build_dashboard(args: argparse.Namespace, service, backend, reader, roles, api_key: str | None):
     """(the dashboard's routes, its sampler): start the sampler once serving, stop it on the
-    way out. timelines: the router's TimelineStore (mean request length), None without one."""
+    way out. The mean request length comes from the service's timeline ring when it keeps one."""
     from router.ops.dashboard.history import History
     from router.ops.dashboard.http import dashboard_routes
     from router.ops.dashboard.sampler import DashboardSampler
@@ -297,7 +296,7 @@ def build_dashboard(args: argparse.Namespace, service, backend, reader, roles, a
     history = History()
     sampler = DashboardSampler(history, service.metrics.registry, backend, reader.snapshot)
     settings = DashboardSettings(args.cluster, service.model_name, service.max_model_len, args.policy)
-    state = DashboardState(settings, roles, reader.snapshot, backend, timelines)
+    state = DashboardState(settings, roles, reader.snapshot, backend, getattr(service, "timelines", None))
     return dashboard_routes(state, history, api_key_required=api_key is not None), sampler
 
 
