@@ -18,11 +18,15 @@ let tickCount = 0;
 let wake = null;
 let refreshFailed = false;
 
+let noticeTimer = null;
+
 function notice(text, kind = "info") {
   const el = $("notice");
   el.hidden = !text;
   el.className = kind;
   el.replaceChildren(text ? document.createTextNode(text) : "");
+  clearTimeout(noticeTimer);
+  if (kind === "ok") noticeTimer = setTimeout(() => { el.hidden = true; }, 8000); // errors stay
 }
 
 function waitForKeys(text) {

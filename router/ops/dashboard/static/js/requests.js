@@ -68,8 +68,9 @@ async function showTimeline(requestId, waterfallEl, listEl) {
 export function renderWaterfall(el, t) {
   const span = Math.max(t.e2e_ms, 1e-3);
   const pct = (value) => `${Math.min(Math.max((100 * value) / span, 0), 100)}%`;
-  const marks = t.marks.map((m) => h("div", { class: "mark", title: `${m.name} at ${ms(m.at_ms)}`, style: { left: pct(m.at_ms) } },
-    h("span", {}, m.name.replace("_", " "))));
+  // A mark past 70% of the axis carries its label on its left, so it stays inside the panel.
+  const marks = t.marks.map((m) => h("div", { class: m.at_ms > 0.7 * span ? "mark end" : "mark",
+    title: `${m.name} at ${ms(m.at_ms)}`, style: { left: pct(m.at_ms) } }, h("span", {}, m.name.replace("_", " "))));
   const rows = t.phases.map((p) => h("div", { class: "phase", dataset: { phase: p.name } },
     h("div", { class: "phase-name" }, p.name),
     h("div", { class: "track" },
@@ -79,7 +80,8 @@ export function renderWaterfall(el, t) {
     Object.keys(p.detail).length
       ? h("div", { class: "phase-detail muted" }, Object.entries(p.detail).map(([k, v]) => `${k} ${typeof v === "number" ? num(v, 4) : v}`).join(" · "))
       : null));
-  const ticks = [0, 0.25, 0.5, 0.75, 1].map((f) => h("span", { style: { left: `${f * 100}%` } }, ms(f * t.e2e_ms)));
+  const ticks = [0, 0.25, 0.5, 0.75, 1].map((f) => h("span", { class: f === 0 ? "first" : f === 1 ? "last" : "",
+    style: { left: `${f * 100}%` } }, ms(f * t.e2e_ms)));
   fill(el,
     h("h3", {}, `Request ${t.request_id}`),
     h("p", { class: "summary" }, `${t.path || "–"} · ${t.finish_reason || "–"} · e2e ${ms(t.e2e_ms)} · TTFT ${ms(t.ttft_ms)} · ` +
