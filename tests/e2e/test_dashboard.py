@@ -239,6 +239,14 @@ def test_clicking_a_request_shows_its_waterfall(cluster, browser):
                          headers={"authorization": f"Bearer {API_KEY}"}, timeout=10).json()
     assert shown == [p["name"] for p in timeline["phases"]] and shown
     assert request_id in page.locator("#waterfall h3").inner_text()
+    page.locator('#requests-panel .tab[data-order="slowest"]').click()
+
+    def slowest_first():
+        cells = page.eval_on_selector_all("#request-list tr.request td:nth-child(2)", "els => els.map(e => e.textContent)")
+        e2e = [float(c.replace(",", "").removesuffix(" ms")) for c in cells]
+        return e2e if e2e and e2e == sorted(e2e, reverse=True) else None
+
+    wait_until(slowest_first, 10, "the slowest requests listed first")
 
 
 def test_screenshot_of_the_page(cluster, browser, tmp_path):
