@@ -30,12 +30,16 @@ MEAN_OVER = 100
 
 @dataclass(frozen=True)
 class DashboardSettings:
+    """What the page shows about this router (fixed at start)."""
+
     cluster: str
+    """The cluster name (Redis key prefix)."""
     model: str
     """The served model name."""
     max_model_len: int
     """The length capacity is computed at before any request has finished."""
     policy: str
+    """The routing policy's name."""
     mean_over: int = MEAN_OVER
     """Requests the mean (prompt + output) length is taken over."""
 
