@@ -280,6 +280,29 @@ def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
 # --- end of the roles, scaling and admin block ---------------------------------------------
 
 
+# --- Dashboard (/dashboard, /v1/dashboard/state, /v1/dashboard/history) ---------------------
+# The page and its live data: a history sampler started and stopped with the router. No flags:
+# the dashboard is always served (its data under the API key, like every /v1 route).
+
+
+def build_dashboard(args: argparse.Namespace, service, backend, reader, roles, api_key: str | None):
+    """(the dashboard's routes, its sampler): start the sampler once serving, stop it on the
+    way out. The mean request length comes from the service's timeline ring when it keeps one."""
+    from router.ops.dashboard.history import History
+    from router.ops.dashboard.http import dashboard_routes
+    from router.ops.dashboard.sampler import DashboardSampler
+    from router.ops.dashboard.state import DashboardSettings, DashboardState
+
+    history = History()
+    sampler = DashboardSampler(history, service.metrics.registry, backend, reader.snapshot)
+    settings = DashboardSettings(args.cluster, service.model_name, service.max_model_len, args.policy)
+    state = DashboardState(settings, roles, reader.snapshot, backend, getattr(service, "timelines", None))
+    return dashboard_routes(state, history, api_key_required=api_key is not None), sampler
+
+
+# --- end of the dashboard block -------------------------------------------------------------
+
+
 async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = None,
                        on_ready=None) -> None:
     """Serve until SIGINT/SIGTERM, or until `stop` is set when given (a host that is not this
@@ -293,9 +316,11 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     api_key = api_key_from(args)
     roles, admin_access = build_admin(args, backend, reader, api_key)
     ready = readiness_check(args, reader)
+    dashboard_api, dashboard_sampler = build_dashboard(args, service, backend, reader, roles, api_key)
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
                                            max_request_bytes=args.max_request_bytes, readiness=ready,
-                                           roles=roles, admin_access=admin_access))
+                                           roles=roles, admin_access=admin_access,
+                                           ops_routes=(dashboard_api,)))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:
@@ -321,12 +346,14 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     if on_ready is not None:
         on_ready(http_port, grpc_port)
     stats_task = start_cluster_stats(args, reader, backend)
+    dashboard_sampler.start()
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await dashboard_sampler.stop()
     if stats_task is not None:
         stats_task.cancel()
         await asyncio.gather(stats_task, return_exceptions=True)

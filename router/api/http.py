@@ -83,7 +83,8 @@ class HttpSettings:
     """How the HTTP front door behaves (the service holds everything about the model)."""
 
     api_key: str | None = None
-    """When set, every route but /health and /ready requires `Authorization: Bearer <api_key>`."""
+    """When set, every route but /health, /ready and the dashboard's shell (router.ops.dashboard.paths)
+    requires `Authorization: Bearer <api_key>`."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body accepted; larger ones get 413 before they are read."""
     readiness: Callable[[], Awaitable[Readiness]] | None = None

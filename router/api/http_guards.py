@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.api.api_key import ApiKey
 from router.errors import PayloadTooLarge, RouterError, Unauthorized, http_error
 from router.ops.access import AdminAccess, admin_route_access
+from router.ops.dashboard.paths import is_shell as is_dashboard_shell
 
 REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -79,8 +80,9 @@ class AdminGuardMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 unless `Authorization: Bearer <api_key>` (every path but the probes, and the
-    admin routes AdminGuardMiddleware has already let through with the admin key)."""
+    """Answers 401 unless `Authorization: Bearer <api_key>` (every path but the probes, the
+    dashboard's shell (page and static files, which hold no data), and the admin routes
+    AdminGuardMiddleware has already let through with the admin key)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -96,6 +98,8 @@ class ApiKeyMiddleware:
     def _is_open(scope: Scope) -> bool:
         # CORS preflights carry no credentials.
         if scope.get("state", {}).get("admin_checked"):
+            return True
+        if is_dashboard_shell(scope.get("method", ""), scope["path"]):
             return True
         return scope["path"] in OPEN_PATHS or scope.get("method") == "OPTIONS"
 
