@@ -356,5 +356,17 @@ def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve router: {problem}", file=sys.stderr, flush=True)  # before the tokenizer loads
         return 1
-    asyncio.run(serve_router(args))
+    run_event_loop(serve_router(args))
     return 0
+
+
+def run_event_loop(main) -> None:
+    """asyncio.run(main) on uvloop when it is installed: the router's request path is mostly
+    event-loop and socket work, which uvloop does in C (benchmarks/router_overhead.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
