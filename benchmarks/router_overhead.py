@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=8, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma separated, of {', '.join(ROUTERS)}")
+    p.add_argument("--router-source", default=None,
+                   help="run pdserve's router from this checkout (a baseline commit: before/after)")
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -118,14 +120,16 @@ def _wait_for_file(path: Path, process: subprocess.Popen, what: str) -> str:
     raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:g} s")
 
 
-def start_pdserve(name: str, redis_url: str, tmp: Path) -> Started:
+def start_pdserve(name: str, redis_url: str, tmp: Path, source: str | None = None) -> Started:
     ready, log = tmp / f"{name}.ready", tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "pdserve", "router", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0",
            "--redis-url", redis_url, "--cluster", CLUSTER, "--ready-file", str(ready), "--log-level", "WARNING"]
     if name == "pdserve-x2":
         cmd += ["--router-workers", "2"]
+    root = Path(source).resolve() if source else REPO_ROOT
     with log.open("w") as out:
-        process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(root)})
     try:
         http_port = int(_wait_for_file(ready, process, name).split()[0])
     except RuntimeError:
@@ -284,6 +288,8 @@ def method_lines(args, skipped: list[str]) -> list[str]:
         f"usable cores: {len(os.sched_getaffinity(0))}; client, routers and doubles share them. "
         "Load average (1/5/15 min) at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
     ]
+    if args.router_source:
+        lines.append(f"pdserve's router ran from {args.router_source}.")
     return lines + [f"not measured: {why}" for why in skipped]
 
 
@@ -329,7 +335,7 @@ def start_routers(stack: contextlib.ExitStack, args, redis_url: str, doubles: Do
         if name in RUST_ROUTERS:
             started = start_rust_router(name, *doubles.http, HTTP_DOUBLE_MODEL, tmp)
         else:
-            started = start_pdserve(name, redis_url, tmp)
+            started = start_pdserve(name, redis_url, tmp, args.router_source)
         if isinstance(started, str):
             print(f"skipping {started}", flush=True)
             skipped.append(started)
