@@ -129,9 +129,27 @@ def test_two_router_processes_share_the_port_and_both_route_completions(cluster)
 
 def test_the_other_router_process_exits_when_process_0_is_killed(cluster):
     redis_url, tmp = cluster
-    process, http_port, _, log = start_router(redis_url, tmp, "killed")
+    process, _, _, _ = start_router(redis_url, tmp, "killed")
     children = _children(process.pid)
     assert len(children) == 1, children
     process.kill()
     process.wait(timeout=10)
     assert _gone(children[0], 20), f"router process {children[0]} outlived process 0"
+
+
+def test_process_0_restarts_a_router_process_that_dies(cluster):
+    redis_url, tmp = cluster
+    process, _, _, log = start_router(redis_url, tmp, "restart")
+    try:
+        [first] = _children(process.pid)
+        os.kill(first, signal.SIGKILL)
+        deadline, replaced = time.monotonic() + 30, []
+        while time.monotonic() < deadline and not replaced:
+            replaced = [pid for pid in _children(process.pid) if pid != first]
+            time.sleep(0.2)
+        assert len(replaced) == 1, log.read_text()
+        assert "router process 1 (pid %d) exited with -9; restarting it" % first in log.read_text()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    assert _gone(replaced[0], 5)
