@@ -233,7 +233,7 @@ async def measure_all(args, routers: list[Started], doubles: Doubles, tokenizer)
 
 
 HEADERS = ["router", "concurrency", "req/s", "direct req/s", "p50 ms", "direct p50 ms", "added p50 ms",
-           "p99 ms", "direct p99 ms", "added p99 ms", "router CPU %", "client CPU %", "failed"]
+           "p99 ms", "direct p99 ms", "added p99 ms", "router CPU %", "router CPU ms/req", "client CPU %", "failed"]
 
 
 def table_rows(results: list[Measured]) -> list[list[str]]:
@@ -245,7 +245,8 @@ def table_rows(results: list[Measured]) -> list[list[str]]:
             f"{r.percentile_ms(50):.2f}", f"{d.percentile_ms(50):.2f}",
             f"{r.percentile_ms(50) - d.percentile_ms(50):.2f}", f"{r.percentile_ms(99):.2f}",
             f"{d.percentile_ms(99):.2f}", f"{r.percentile_ms(99) - d.percentile_ms(99):.2f}",
-            f"{100 * r.router_cpu_s / r.seconds:.0f}", f"{100 * r.client_cpu_s / r.seconds:.0f}",
+            f"{100 * r.router_cpu_s / r.seconds:.0f}", f"{1e3 * r.router_cpu_s / max(1, len(r.latencies_s)):.2f}",
+            f"{100 * r.client_cpu_s / r.seconds:.0f}",
             f"{r.failed}/{d.failed}",
         ])
     return rows
@@ -284,7 +285,8 @@ def method_lines(args, skipped: list[str]) -> list[str]:
         "HTTP doubles: prefill POST (max_tokens 1) then the streamed decode POST with httpx.",
         "latency: send to last token; added = router path - its direct path at that percentile; "
         "req/s = requests / wall seconds; router CPU % = the router's processes' CPU over its run "
-        "(100 = one core); client CPU % = this process over the same run; failed = router/direct.",
+        "(100 = one core); router CPU ms/req = the same CPU per request served (the figure least moved by other "
+        "load on the machine); client CPU % = this process over the same run; failed = router/direct.",
         f"usable cores: {len(os.sched_getaffinity(0))}; client, routers and doubles share them. "
         "Load average (1/5/15 min) at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
     ]

@@ -24,7 +24,7 @@ def test_the_router_overhead_benchmark_measures_every_router_in_a_tiny_run():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines()
             if line.split() and line.split()[0] in ("pdserve", "pdserve-x2", *RUST_ROUTERS)
-            and len(line.split()) == 13 and line.split()[1].isdigit()]
+            and len(line.split()) == 14 and line.split()[1].isdigit()]
     measured = {row[0] for row in rows}
     installed = {name for name in RUST_ROUTERS if rust_router_command(name) is not None}
     assert measured == {"pdserve", "pdserve-x2", *installed}, run.stdout
