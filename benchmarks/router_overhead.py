@@ -1,32 +1,37 @@
-"""Requests/s the router sustains and the latency it adds, with workers that answer at once.
+"""Requests/s a router sustains and the latency it adds, with workers that answer at once:
+pdserve (one process and --router-workers 2) side by side with the Rust routers users pick
+instead (sglang-router, vllm-router), same client, same prompts, same cores, one run.
 
-    .venv/bin/python benchmarks/router_overhead.py [--concurrency 1,4,16] [--requests 300] ...
+    .venv/bin/python benchmarks/router_overhead.py [--concurrency 1,4,16] [--requests 300]
+        [--routers pdserve,pdserve-x2,sglang-router,vllm-router] ...
 
 Method (printed with the results too):
 
-- Workers: benchmarks/instant_workers.py, TEST DOUBLES of one prefill and one decode worker
-  that answer every call at once over real gRPC, registered in a real (embedded) Redis with
-  real heartbeats. Router: the real `pdserve router` process, reading that Redis.
+- Workers: TEST DOUBLES that answer every call at once. pdserve's: benchmarks/instant_workers.py,
+  one prefill and one decode over real gRPC, registered in a real (embedded) Redis with real
+  heartbeats, read by the real `pdserve router` process. The Rust routers': the HTTP twins in
+  benchmarks/instant_http_workers.py (same tokens), each router in its prefill/decode mode
+  (benchmarks/router_peers.py).
 - Router path: pdserve bench's library (httpx, streamed /v1/completions, ignore_eos, the
   random dataset's prompts of --input-len tokens, --output-len tokens each) at each
   concurrency, all requests queued at once (closed loop: at most C in flight).
-- Direct path: the same requests as the router would send them (already tokenized), made
-  straight to the doubles from this process with grpc.aio: Decode (read the ticket), Prefill,
-  then read the Decode stream to its end; same concurrency and count.
-- Latency: send to last token, per request; router-added = router path minus direct path at
-  the same percentile. req/s = requests / wall time of the run. The client runs on the same
-  2 cores as the router and the doubles, so its own CPU is part of both paths; the table
-  shows it, and the router process's CPU, so a saturated core is visible.
-Both paths get --warmup requests first (not timed); paths alternate per concurrency.
+- Direct path, per kind of double: gRPC: the calls pdserve's router makes (already tokenized),
+  straight from this process with grpc.aio: Decode (read the ticket), Prefill, then the rest
+  of the Decode stream. HTTP: a prefill POST (max_tokens 1), then the streamed decode POST,
+  with httpx. Same concurrency and count.
+- Latency: send to last token, per request; router-added = router path minus its direct path
+  at the same percentile. req/s = requests / wall time of the run. The client runs on the
+  same cores as the routers and the doubles, so its own CPU is part of every path; the table
+  shows it, and the router's CPU (all its processes), so a saturated core is visible.
+Every path gets --warmup requests first (not timed); the routers take turns per concurrency.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,9 +45,17 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, append_results, markdown_table, run_header, text_table  # noqa: E402
+from benchmarks.router_peers import (  # noqa: E402
+    RUST_ROUTERS,
+    Started,
+    direct_http_path,
+    start_rust_router,
+    stop,
+)
 from pdserve.bench.client import Endpoint  # noqa: E402
 from pdserve.bench.datasets import SampleRequest, random_requests  # noqa: E402
 from pdserve.bench.main import first_model  # noqa: E402
+from benchmarks.instant_http_workers import MODEL as HTTP_DOUBLE_MODEL  # noqa: E402
 from pdserve.bench.runner import RunSettings, run_benchmark  # noqa: E402
 from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
@@ -51,6 +64,8 @@ from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E4
 
 START_TIMEOUT_S = 60.0
 CLUSTER = "router-overhead"
+ROUTERS = ("pdserve", "pdserve-x2", *RUST_ROUTERS)
+"""pdserve-x2: `pdserve router --router-workers 2`."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +94,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=8, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma separated, of {', '.join(ROUTERS)}")
+    p.add_argument("--router-source", default=None,
+                   help="run pdserve's router from this checkout (a baseline commit: before/after)")
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if min(args.concurrency + [args.requests, args.input_len, args.output_len]) < 1:
         p.error("--concurrency, --requests, --input-len and --output-len must be positive")
+    if unknown := sorted(set(args.routers) - set(ROUTERS)):
+        p.error(f"--routers: unknown {', '.join(unknown)}; known: {', '.join(ROUTERS)}")
     return args
 
 
@@ -99,31 +120,33 @@ def _wait_for_file(path: Path, process: subprocess.Popen, what: str) -> str:
     raise RuntimeError(f"{what} did not start within {START_TIMEOUT_S:g} s")
 
 
-def _stop(process: subprocess.Popen | None) -> None:
-    if process is None or process.poll() is not None:
-        return
-    process.send_signal(signal.SIGINT)
+def start_pdserve(name: str, redis_url: str, tmp: Path, source: str | None = None) -> Started:
+    ready, log = tmp / f"{name}.ready", tmp / f"{name}.log"
+    cmd = [sys.executable, "-m", "pdserve", "router", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0",
+           "--redis-url", redis_url, "--cluster", CLUSTER, "--ready-file", str(ready), "--log-level", "WARNING"]
+    if name == "pdserve-x2":
+        cmd += ["--router-workers", "2"]
+    root = Path(source).resolve() if source else REPO_ROOT
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(root)})
     try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        http_port = int(_wait_for_file(ready, process, name).split()[0])
+    except RuntimeError:
+        stop(process)
+        raise
+    base = f"http://127.0.0.1:{http_port}"
+    model = asyncio.run(first_model(base, {}))
+    return Started(name, process, Endpoint(f"{base}/v1/completions", model, ignore_eos=True), "grpc", log)
 
 
 # ------------------------------------------------------------------ the paths
-async def router_path(endpoint: Endpoint, requests: list[SampleRequest], concurrency: int,
-                      router_pid: int) -> PathRun:
-    settings = RunSettings(endpoint, max_concurrency=concurrency, progress=False)
-    cpu0 = process_cpu_s(router_pid)
+async def router_path(router: Started, requests: list[SampleRequest], concurrency: int) -> PathRun:
+    settings = RunSettings(router.endpoint, max_concurrency=concurrency, progress=False)
+    cpu0 = router.cpu_s()
     run = await run_benchmark(settings, requests)
     ok = [o.latency for o in run.outputs if o.success]
-    return PathRun(ok, len(run.outputs) - len(ok), run.duration_s, run.cpu_s, process_cpu_s(router_pid) - cpu0)
+    return PathRun(ok, len(run.outputs) - len(ok), run.duration_s, run.cpu_s, router.cpu_s() - cpu0)
 
 
 async def direct_call(prefill, decode, request_id: str, prompt_ids: list[int], max_tokens: int) -> float:
@@ -142,7 +165,7 @@ async def direct_call(prefill, decode, request_id: str, prompt_ids: list[int], m
 
 
 async def direct_path(addresses: tuple[str, str], prompts: list[list[int]], max_tokens: int, concurrency: int,
-                      router_pid: int, tag: str) -> PathRun:
+                      tag: str) -> PathRun:
     secret = load_cluster_secret()  # what the router proves too: the comparison stays fair
     async with internal_channel(addresses[0], secret) as p_chan, internal_channel(addresses[1], secret) as d_chan:
         prefill, decode = worker_pb2_grpc.PrefillWorkerStub(p_chan), worker_pb2_grpc.DecodeWorkerStub(d_chan)
@@ -159,103 +182,170 @@ async def direct_path(addresses: tuple[str, str], prompts: list[list[int]], max_
                 except grpc.aio.AioRpcError:
                     failed += 1
 
-        cpu0, router0, start = time.process_time(), process_cpu_s(router_pid), time.perf_counter()
+        cpu0, start = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-        return PathRun(latencies, failed, seconds, time.process_time() - cpu0, process_cpu_s(router_pid) - router0)
+        return PathRun(latencies, failed, time.perf_counter() - start, time.process_time() - cpu0, 0.0)
 
 
 # -------------------------------------------------------------------- driving
 @dataclass(frozen=True)
 class Measured:
+    router: str
     concurrency: int
-    router: PathRun
+    run: PathRun
     direct: PathRun
 
 
-async def measure_all(args, endpoint: Endpoint, addresses: tuple[str, str], tokenizer, router_pid: int):
+@dataclass(frozen=True)
+class Doubles:
+    grpc: tuple[str, str]
+    """(prefill, decode) gRPC addresses."""
+    http: tuple[str, str]
+    """(prefill, decode) base URLs."""
+
+
+async def measure_all(args, routers: list[Started], doubles: Doubles, tokenizer) -> list[Measured]:
     total = args.requests + args.warmup
     requests = random_requests(tokenizer, total, args.input_len, args.output_len, seed=args.seed)
-    # The router tokenizes the text; the direct path gets the ids it would send.
+    # pdserve's router tokenizes the text; the gRPC direct path gets the ids it would send.
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     warm, timed = requests[:args.warmup], requests[args.warmup:]
     results = []
     for c in args.concurrency:
-        if warm:
-            await router_path(endpoint, warm, c, router_pid)
-            await direct_path(addresses, prompts[:args.warmup], args.output_len, c, router_pid, f"w{c}")
-        router = await router_path(endpoint, timed, c, router_pid)
-        direct = await direct_path(addresses, prompts[args.warmup:], args.output_len, c, router_pid, f"c{c}")
-        results.append(Measured(c, router, direct))
-        print(f"  concurrency {c}: router {router.req_per_s:.1f} req/s (p50 {router.percentile_ms(50):.2f} ms), "
-              f"direct {direct.req_per_s:.1f} req/s (p50 {direct.percentile_ms(50):.2f} ms)", flush=True)
+        direct = {}
+        if any(r.direct == "grpc" for r in routers):
+            if warm:
+                await direct_path(doubles.grpc, prompts[:args.warmup], args.output_len, c, f"w{c}")
+            direct["grpc"] = await direct_path(doubles.grpc, prompts[args.warmup:], args.output_len, c, f"c{c}")
+        if any(r.direct == "http" for r in routers):
+            if warm:
+                await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, warm, c)
+            latencies, failed, seconds, cpu = await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, timed, c)
+            direct["http"] = PathRun(latencies, failed, seconds, cpu, 0.0)
+        for router in routers:
+            if warm:
+                await router_path(router, warm, c)
+            run = await router_path(router, timed, c)
+            results.append(Measured(router.name, c, run, direct[router.direct]))
+            print(f"  {router.name} at {c} in flight: {run.req_per_s:.1f} req/s, p50 {run.percentile_ms(50):.2f} ms "
+                  f"(direct {direct[router.direct].percentile_ms(50):.2f} ms)", flush=True)
     return results
 
 
-HEADERS = ["concurrency", "router req/s", "direct req/s", "ratio (router/direct)", "router p50 ms",
-           "direct p50 ms", "router-added p50 ms", "router p99 ms", "direct p99 ms", "router-added p99 ms",
-           "router CPU %", "client CPU %", "failed"]
+HEADERS = ["router", "concurrency", "req/s", "direct req/s", "p50 ms", "direct p50 ms", "added p50 ms",
+           "p99 ms", "direct p99 ms", "added p99 ms", "router CPU %", "router CPU ms/req", "client CPU %", "failed"]
 
 
 def table_rows(results: list[Measured]) -> list[list[str]]:
     rows = []
     for m in results:
-        r, d = m.router, m.direct
+        r, d = m.run, m.direct
         rows.append([
-            m.concurrency, f"{r.req_per_s:.1f}", f"{d.req_per_s:.1f}", f"{r.req_per_s / d.req_per_s:.2f}x",
+            m.router, m.concurrency, f"{r.req_per_s:.1f}", f"{d.req_per_s:.1f}",
             f"{r.percentile_ms(50):.2f}", f"{d.percentile_ms(50):.2f}",
             f"{r.percentile_ms(50) - d.percentile_ms(50):.2f}", f"{r.percentile_ms(99):.2f}",
             f"{d.percentile_ms(99):.2f}", f"{r.percentile_ms(99) - d.percentile_ms(99):.2f}",
-            f"{100 * r.router_cpu_s / r.seconds:.0f}", f"{100 * r.client_cpu_s / r.seconds:.0f}",
+            f"{100 * r.router_cpu_s / r.seconds:.0f}", f"{1e3 * r.router_cpu_s / max(1, len(r.latencies_s)):.2f}",
+            f"{100 * r.client_cpu_s / r.seconds:.0f}",
             f"{r.failed}/{d.failed}",
         ])
     return rows
 
 
-def method_lines(args) -> list[str]:
-    return [
+def goal_lines(results: list[Measured]) -> list[str]:
+    """The issue's goals: req/s at the highest concurrency >= each Rust router's; added p50 at
+    the lowest <= 1 ms."""
+    top, low = max(m.concurrency for m in results), min(m.concurrency for m in results)
+    at = {(m.router, m.concurrency): m for m in results}
+    lines = []
+    for ours in ("pdserve", "pdserve-x2"):
+        for peer in RUST_ROUTERS:
+            if (ours, top) in at and (peer, top) in at:
+                ratio = at[ours, top].run.req_per_s / at[peer, top].run.req_per_s
+                lines.append(f"{ours} / {peer} req/s at {top} in flight: {ratio:.2f}x "
+                             f"({'met' if ratio >= 1.0 else 'NOT MET'}; goal >= 1.0x)")
+        if (ours, low) in at:
+            m = at[ours, low]
+            added = m.run.percentile_ms(50) - m.direct.percentile_ms(50)
+            lines.append(f"{ours} added p50 at {low} in flight: {added:.2f} ms "
+                         f"({'met' if added <= 1.0 else 'NOT MET'}; goal <= 1 ms)")
+    return lines
+
+
+def method_lines(args, skipped: list[str]) -> list[str]:
+    lines = [
         f"{args.requests} timed requests per path and concurrency after {args.warmup} untimed; prompts of "
         f"{args.input_len} tokens (random dataset, seed {args.seed}), {args.output_len} output tokens, ignore_eos.",
-        "workers: benchmarks/instant_workers.py test doubles (1 prefill + 1 decode) that answer at once over real "
-        "gRPC, registered in an embedded Redis with heartbeats; router: the real `pdserve router` process.",
-        "router path: pdserve bench library (httpx, streamed /v1/completions); direct path: the router's own gRPC "
-        "calls (Decode -> ticket, Prefill, rest of the Decode stream) from this process with grpc.aio.",
-        "latency: send to last token; router-added = router path - direct path at that percentile; "
-        "req/s = requests / wall seconds; router CPU % = the router process's CPU over the router run "
-        "(100 = one core); client CPU % = this process over the same run; failed = router/direct.",
-        f"usable cores: {len(os.sched_getaffinity(0))}; client, router and doubles share them. "
+        "pdserve: the real `pdserve router` (pdserve-x2: --router-workers 2) in front of "
+        "benchmarks/instant_workers.py gRPC doubles (1 prefill + 1 decode) registered in an embedded Redis; "
+        "sglang-router / vllm-router: their prefill/decode modes in front of benchmarks/instant_http_workers.py "
+        "HTTP doubles (same tokens, answered at once).",
+        "router path: pdserve bench library (httpx, streamed /v1/completions). direct path for the gRPC doubles: "
+        "the router's own gRPC calls (Decode -> ticket, Prefill, rest of the Decode stream) with grpc.aio; for the "
+        "HTTP doubles: prefill POST (max_tokens 1) then the streamed decode POST with httpx.",
+        "latency: send to last token; added = router path - its direct path at that percentile; "
+        "req/s = requests / wall seconds; router CPU % = the router's processes' CPU over its run "
+        "(100 = one core); router CPU ms/req = the same CPU per request served (the figure least moved by other "
+        "load on the machine); client CPU % = this process over the same run; failed = router/direct.",
+        f"usable cores: {len(os.sched_getaffinity(0))}; client, routers and doubles share them. "
         "Load average (1/5/15 min) at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
     ]
+    if args.router_source:
+        lines.append(f"pdserve's router ran from {args.router_source}.")
+    return lines + [f"not measured: {why}" for why in skipped]
 
 
-def report(results: list[Measured], args) -> tuple[str, str]:
-    rows, method = table_rows(results), method_lines(args)
-    best = max(results, key=lambda m: m.router.req_per_s)
-    summary = (f"router sustains up to {best.router.req_per_s:.0f} req/s (concurrency {best.concurrency}); "
-               f"it adds {statistics.median([m.router.percentile_ms(50) - m.direct.percentile_ms(50) for m in results]):.2f} ms "
-               "at p50 (median over concurrencies).")
-    terminal = "\n\n".join(["\n".join(run_header()), text_table(HEADERS, rows), summary, "\n".join(method)])
-    markdown = "\n\n".join([markdown_table(HEADERS, rows), f"- {summary}",
+def report(results: list[Measured], args, skipped: list[str]) -> tuple[str, str]:
+    rows, method, goals = table_rows(results), method_lines(args, skipped), goal_lines(results)
+    terminal = "\n\n".join(["\n".join(run_header()), text_table(HEADERS, rows), "\n".join(goals), "\n".join(method)])
+    markdown = "\n\n".join([markdown_table(HEADERS, rows), "\n".join(f"- {g}" for g in goals),
                             "Method:\n\n" + "\n".join(f"- {line}" for line in method)])
     return terminal, markdown
 
 
-def start_router(redis_url: str, ready: Path, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve", "router", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0",
-           "--redis-url", redis_url, "--cluster", CLUSTER, "--ready-file", str(ready), "--log-level", "WARNING"]
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
-async def wait_until_routable(endpoint: Endpoint, tokenizer) -> None:
-    """The router routes only once its Redis snapshot lists the doubles."""
+async def wait_until_routable(router: Started, tokenizer) -> None:
+    """A router routes only once it sees the doubles (Redis snapshot; Rust routers' health checks)."""
     probe = random_requests(tokenizer, 1, 8, 2, seed=1)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        run = await run_benchmark(RunSettings(endpoint, progress=False), probe)
+        if router.process.poll() is not None:
+            raise RuntimeError(f"{router.name} exited with {router.process.returncode}; see {router.log}")
+        run = await run_benchmark(RunSettings(router.endpoint, progress=False), probe)
         if run.outputs[0].success:
             return
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"the router never served a request: {run.outputs[0].error}")
+    raise RuntimeError(f"{router.name} never served a request: {run.outputs[0].error}")
+
+
+def start_doubles(stack: contextlib.ExitStack, redis_url: str, tmp: Path) -> Doubles:
+    script = REPO_ROOT / "benchmarks"
+    grpc_ready, http_ready = tmp / "grpc-doubles", tmp / "http-doubles"
+    grpc_doubles = subprocess.Popen([sys.executable, str(script / "instant_workers.py"), "--redis-url", redis_url,
+                                     "--cluster", CLUSTER, "--ready-file", str(grpc_ready)], cwd=REPO_ROOT)
+    stack.callback(stop, grpc_doubles)
+    http_doubles = subprocess.Popen([sys.executable, str(script / "instant_http_workers.py"),
+                                     "--ready-file", str(http_ready)], cwd=REPO_ROOT)
+    stack.callback(stop, http_doubles)
+    return Doubles(tuple(_wait_for_file(grpc_ready, grpc_doubles, "instant gRPC doubles").split()),
+                   tuple(_wait_for_file(http_ready, http_doubles, "instant HTTP doubles").split()))
+
+
+def start_routers(stack: contextlib.ExitStack, args, redis_url: str, doubles: Doubles, tmp: Path,
+                  tokenizer) -> tuple[list[Started], list[str]]:
+    routers, skipped = [], []
+    for name in args.routers:
+        if name in RUST_ROUTERS:
+            started = start_rust_router(name, *doubles.http, HTTP_DOUBLE_MODEL, tmp)
+        else:
+            started = start_pdserve(name, redis_url, tmp, args.router_source)
+        if isinstance(started, str):
+            print(f"skipping {started}", flush=True)
+            skipped.append(started)
+            continue
+        stack.callback(stop, started.process)
+        asyncio.run(wait_until_routable(started, tokenizer))
+        routers.append(started)
+    return routers, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,29 +354,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     tokenizer = load_tokenizer(default_model_path())
-    redis, workers, router = EmbeddedRedis().start(), None, None
-    share_cluster_secrets(redis)
-    with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
-        try:
-            workers_ready, router_ready = Path(tmp) / "workers", Path(tmp) / "router"
-            workers = subprocess.Popen(
-                [sys.executable, str(REPO_ROOT / "benchmarks" / "instant_workers.py"), "--redis-url", redis.url,
-                 "--cluster", CLUSTER, "--ready-file", str(workers_ready)], cwd=REPO_ROOT)
-            addresses = tuple(_wait_for_file(workers_ready, workers, "instant workers").split())
-            with open(Path(tmp) / "router.log", "w") as log:
-                router = start_router(redis.url, router_ready, log)
-                http_port = int(_wait_for_file(router_ready, router, "pdserve router").split()[0])
-                base = f"http://127.0.0.1:{http_port}"
-                model = asyncio.run(first_model(base, {}))
-                endpoint = Endpoint(f"{base}/v1/completions", model, ignore_eos=True)
-                asyncio.run(wait_until_routable(endpoint, tokenizer))
-                print(f"router {base} -> instant doubles {addresses}; measuring ...", flush=True)
-                results = asyncio.run(measure_all(args, endpoint, addresses, tokenizer, router.pid))
-        finally:
-            _stop(router)
-            _stop(workers)
-            redis.stop()
-    terminal, markdown = report(results, args)
+    with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp, contextlib.ExitStack() as stack:
+        redis = EmbeddedRedis().start()
+        stack.callback(redis.stop)
+        share_cluster_secrets(redis)
+        doubles = start_doubles(stack, redis.url, Path(tmp))
+        routers, skipped = start_routers(stack, args, redis.url, doubles, Path(tmp), tokenizer)
+        print(f"measuring {', '.join(r.name for r in routers)} ...", flush=True)
+        results = asyncio.run(measure_all(args, routers, doubles, tokenizer))
+    terminal, markdown = report(results, args, skipped)
     print("\n" + terminal)
     if not args.no_results:
         print(f"\nappended to {append_results('router_overhead', markdown)}")

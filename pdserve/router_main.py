@@ -40,6 +40,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
     add_admin_args(parser.add_argument_group("roles, scaling and admin"))
+    from pdserve.router_workers import add_router_worker_index_arg  # --- router workers (helper E)
+
+    add_router_worker_index_arg(g)
     from pdserve.logs import add_log_args
 
     add_log_args(parser.add_argument_group("logging"))
@@ -80,6 +83,9 @@ def add_routing_args(g) -> None:
                    help="seconds a request may wait for decode room before 503 + Retry-After")
     add_limit_args(g)
     add_deadline_args(g)
+    from pdserve.router_workers import add_router_workers_args  # --- router workers (helper E)
+
+    add_router_workers_args(g)
 
 
 def add_limit_args(g) -> None:
@@ -333,19 +339,28 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", log_config=None)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we handle signals below
-    http_task = asyncio.create_task(server.serve())
+    from pdserve.router_workers import WORKER_HEADER, http_sockets, start_router_processes  # --- router workers
+
+    sockets = http_sockets(args)  # None: one process, uvicorn binds
+    if sockets is not None:
+        from router.api.http_guards import ResponseHeaderMiddleware
+
+        app.add_middleware(ResponseHeaderMiddleware, name=WORKER_HEADER, value=str(args.router_worker_index))
+    http_task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
         if http_task.done():
             await http_task  # raises why it could not start
         await asyncio.sleep(0.05)
     http_port = server.servers[0].sockets[0].getsockname()[1]
+    stop_router_processes = await start_router_processes(args, http_port, grpc_port, api_key,
+                                                         admin_key_from(args))  # --- router workers
     logger.info("router serving OpenAI HTTP on http://%s:%d and gRPC on %s:%d",
                 args.host, http_port, args.host, grpc_port)
     if args.ready_file:
         Path(args.ready_file).write_text(f"{http_port} {grpc_port}\n")
     if on_ready is not None:
         on_ready(http_port, grpc_port)
-    stats_task = start_cluster_stats(args, reader, backend)
+    stats_task = start_cluster_stats(args, reader, backend) if not getattr(args, "router_worker_index", 0) else None
     dashboard_sampler.start()
     if stop is None:
         stop = asyncio.Event()
@@ -357,6 +372,8 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     if stats_task is not None:
         stats_task.cancel()
         await asyncio.gather(stats_task, return_exceptions=True)
+    if stop_router_processes is not None:  # --- router workers
+        await stop_router_processes()
     server.should_exit = True
     await http_task
     await grpc_door.stop(grace=2)
@@ -379,9 +396,22 @@ def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Ta
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.preflight import port_problem, redis_auth_problem
 
-    problem = port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
+    ports = (("--port", args.port), ("--grpc-port", args.grpc_port)) if not getattr(args, "router_worker_index", 0) else ()
+    problem = port_problem(args.host, ports)  # process i > 0 shares process 0's ports
     if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve router: {problem}", file=sys.stderr, flush=True)  # before the tokenizer loads
         return 1
-    asyncio.run(serve_router(args))
+    run_event_loop(serve_router(args))
     return 0
+
+
+def run_event_loop(main) -> None:
+    """asyncio.run(main) on uvloop when it is installed: the router's request path is mostly
+    event-loop and socket work, which uvloop does in C (benchmarks/router_overhead.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)

@@ -99,7 +99,7 @@ def _check_positive(owner: object, *names: str) -> None:
 
 _LOGGING_FIELDS = ("log_format", "log_stats_interval_s")
 """Passed to a child only when not their defaults: a child of an older release takes the argv."""
-_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", *_LOGGING_FIELDS})
+_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", *_LOGGING_FIELDS})
 
 
 def _check_logging(spec: WorkerSpec | RouterSpec) -> None:
@@ -255,8 +255,13 @@ class RouterSpec:
     """"text" or "json" (JSON lines with role and request_id)."""
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     """Seconds between the router's cluster stats lines (only when they changed); 0: none."""
+    router_workers: int = 1
+    """Processes serving this router's ports (SO_REUSEPORT; pdserve/router_workers.py)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.router_workers, bool) or not isinstance(self.router_workers, int) \
+                or self.router_workers < 1:
+            raise ValueError(f"router_workers must be >= 1; got {self.router_workers!r}")
         for name in ("port", "grpc_port"):
             _check_port(name, getattr(self, name))
         if not self.cluster:

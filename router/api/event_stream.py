@@ -25,13 +25,14 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 class EventStreamResponse(Response):
-    """200 text/event-stream of `lines`; `on_close` runs after the last line or a disconnect."""
+    """200 text/event-stream of `lines` (encoded: UTF-8 bytes); `on_close` runs after the last
+    line or a disconnect."""
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        lines: AsyncGenerator[str, None],
+        lines: AsyncGenerator[bytes, None],
         on_close: Callable[[], Awaitable[None]],
         headers: Mapping[str, str] | None = None,
     ) -> None:
@@ -59,7 +60,7 @@ class EventStreamResponse(Response):
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async for line in self._lines:
-            await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": line, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _close(self) -> None:

@@ -60,6 +60,26 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class ResponseHeaderMiddleware:
+    """Adds one fixed header to every response (which of a router's processes answered)."""
+
+    def __init__(self, app: ASGIApp, name: str, value: str) -> None:
+        self.app = app
+        self._header = (name.lower().encode("latin-1"), value.encode("latin-1"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 class AdminGuardMiddleware:
     """Decides the roles and drain routes (router.ops.access): reads need the API key (or the
     admin key), changes the admin key; other paths pass on to the API key guard."""

@@ -50,6 +50,8 @@ class FanOut:
         """(stream index, delta) of the next delta to arrive, or None once every stream has
         finished. Raises what a backend raises, and WorkerFailure for a stream that ends
         without a finish reason."""
+        if not self._ready and not self._pending and len(self._active) == 1:
+            return await self._next_of_only(next(iter(self._active)))
         while not self._ready:
             polled = set(self._pending.values())
             for i in sorted(self._active - polled):
@@ -61,6 +63,20 @@ class FanOut:
                 i = self._pending.pop(task)
                 self._ready.append((i, self._take(i, task)))
         return self._ready.popleft()
+
+    async def _next_of_only(self, i: int) -> tuple[int, TokenDelta]:
+        """The one stream still active, with nothing in flight, awaited directly: the common
+        n=1 case pays no task and no asyncio.wait per delta. Cancelling the caller cancels the
+        stream as cancelling its task would (aclose() then aborts the request)."""
+        try:
+            delta = await anext(self._streams[i])
+        except StopAsyncIteration:
+            raise WorkerFailure(
+                f"backend stream of {self._requests[i].request_id} ended without a finish reason"
+            ) from None
+        if delta.finish_reason is not None:
+            self._active.discard(i)
+        return i, delta
 
     def _take(self, i: int, task: asyncio.Task[TokenDelta]) -> TokenDelta:
         try:

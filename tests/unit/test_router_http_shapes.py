@@ -71,3 +71,10 @@ def test_an_unauthenticated_unknown_route_is_a_401_not_a_404():
     response = call(app, "GET", "/v2/nothing")
     assert response.status_code == 401
     assert response.json() == error("Unauthorized", "AuthenticationError", 401)
+
+
+def test_sse_chunks_are_compact_utf8_json_and_text_that_is_not_unicode_is_escaped():
+    from router.api.openai_encode import dumps, sse
+
+    assert sse({"text": "é", "n": 1.5}) == 'data: {"text":"é","n":1.5}\n\n'.encode()
+    assert dumps({"text": "a\ud800b"}) == b'{"text":"a\\ud800b"}'

@@ -137,3 +137,13 @@ def test_specs_hold_no_secrets():
     names = {f.name for spec in (RouterSpec, WorkerSpec) for f in dataclasses.fields(spec)}
     assert not names & {"api_key", "admin_key", "secret", "cluster_secret", "redis_password", "password"}
     assert not any(set(name.split("_")) & {"key", "secret", "password"} for name in names)
+
+
+def test_router_spec_passes_router_workers_only_when_more_than_one():
+    assert "--router-workers" not in RouterSpec().to_argv()
+    argv = RouterSpec(router_workers=3).to_argv()
+    assert argv[argv.index("--router-workers") + 1] == "3"
+    assert RouterSpec.from_args(build_parser().parse_args(argv)) == RouterSpec(router_workers=3)
+    assert RouterSpec.from_args(build_parser().parse_args(["up", "--router-workers", "2"])).router_workers == 2
+    with pytest.raises(ValueError, match="router_workers must be >= 1; got 0"):
+        RouterSpec(router_workers=0)
