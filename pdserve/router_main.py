@@ -80,6 +80,7 @@ def add_routing_args(g) -> None:
                    help="seconds a request may wait for decode room before 503 + Retry-After")
     add_limit_args(g)
     add_deadline_args(g)
+    add_planner_args(g)
 
 
 def add_limit_args(g) -> None:
@@ -280,6 +281,20 @@ def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
 # --- end of the roles, scaling and admin block ---------------------------------------------
 
 
+# --- Planner and --autoscale (GET /v1/plan; issue 14 item 3) --------------------------------
+# Flags, objects and tasks live in pdserve/planner_main.py; add_planner_args is called from
+# add_routing_args (so `pdserve up` takes the flags too and passes them on through RouterSpec).
+
+
+def add_planner_args(g) -> None:
+    from pdserve.planner_main import add_planner_args as add
+
+    add(g)
+
+
+# --- end of the planner block ---------------------------------------------------------------
+
+
 async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = None,
                        on_ready=None) -> None:
     """Serve until SIGINT/SIGTERM, or until `stop` is set when given (a host that is not this
@@ -292,10 +307,15 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     service, backend, reader = build_service(args)
     api_key = api_key_from(args)
     roles, admin_access = build_admin(args, backend, reader, api_key)
+    from pdserve.planner_main import build_planner, plan_routes, start_planner
+
+    planner = build_planner(args, service, backend, reader, roles)
+
     ready = readiness_check(args, reader)
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
                                            max_request_bytes=args.max_request_bytes, readiness=ready,
-                                           roles=roles, admin_access=admin_access))
+                                           roles=roles, admin_access=admin_access,
+                                           ops_routes=(plan_routes(planner),)))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:
@@ -321,12 +341,16 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     if on_ready is not None:
         on_ready(http_port, grpc_port)
     stats_task = start_cluster_stats(args, reader, backend)
+    planner_tasks = start_planner(planner)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    for task in planner_tasks:
+        task.cancel()
+    await asyncio.gather(*planner_tasks, return_exceptions=True)
     if stats_task is not None:
         stats_task.cancel()
         await asyncio.gather(stats_task, return_exceptions=True)
