@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-__all__ = ["add_planner_args", "build_planner", "plan_routes", "start_planner"]
+__all__ = ["add_planner_args", "build_planner", "plan_routes", "planner_problem", "start_planner"]
 
 
 def add_planner_args(g) -> None:
@@ -36,6 +36,15 @@ def add_planner_args(g) -> None:
                        help=f"most {role} workers the planner recommends (and autoscale starts)")
 
 
+NO_SCALER = ("--autoscale needs a scaler to act through (--scaler local, ray or kubernetes; pdserve up and the "
+             "Helm chart set one)")
+
+
+def planner_problem(args: argparse.Namespace) -> str | None:
+    """Why these flags cannot start a router's planner (checked before the model loads), or None."""
+    return NO_SCALER if args.autoscale and args.scaler == "none" else None
+
+
 def build_planner(args: argparse.Namespace, service, backend, reader, roles):
     """The Planner (its collector, and its autoscaler when --autoscale on router process 0).
     Raises SystemExit with one line for --autoscale without a scaler."""
@@ -45,8 +54,7 @@ def build_planner(args: argparse.Namespace, service, backend, reader, roles):
     from router.ops.planner.service import Planner
 
     if args.autoscale and roles.scaler is None:
-        raise SystemExit("pdserve router: --autoscale needs a scaler to act through (--scaler local, ray or "
-                         "kubernetes; pdserve up and the Helm chart set one)")
+        raise SystemExit(f"pdserve router: {NO_SCALER}")
     try:
         settings = PlanSettings(args.slo_ttft_ms, args.slo_itl_ms, args.plan_target_utilization, RoleBounds(
             args.autoscale_min_prefill, args.autoscale_max_prefill, args.autoscale_min_decode,

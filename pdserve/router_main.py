@@ -376,7 +376,9 @@ def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Ta
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.preflight import port_problem, redis_auth_problem
 
-    problem = port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
+    from pdserve.planner_main import planner_problem
+
+    problem = planner_problem(args) or port_problem(args.host, (("--port", args.port), ("--grpc-port", args.grpc_port)))
     if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve router: {problem}", file=sys.stderr, flush=True)  # before the tokenizer loads
         return 1
