@@ -31,6 +31,7 @@ def test_rates_and_busy_throughputs_come_from_the_differences_over_the_window():
     i = measure([old, new], window_s=60, current_prefill=1, current_decode=1)
     assert (i.prompt_tokens_per_s, i.output_tokens_per_s) == (450.0, 2.0)   # 9000 / 20 s, 40 / 20 s
     assert i.mean_request_tokens == 904.0                                   # (9000 + 40) / 10
+    assert (i.prefill_computed_tokens_per_s, i.decode_generated_tokens_per_s) == (450.0, 20.0)
     assert i.prefill_tokens_per_busy_s == 450.0                             # 9000 / 20 busy s
     assert i.decode_tokens_per_busy_s == 100.0                              # 400 / 4 busy s
     assert (i.prefill_utilization, i.decode_utilization) == (1.0, 0.2)

@@ -23,7 +23,8 @@ def test_long_prompts_recommend_more_prefill_and_not_more_decode():
                          decode_utilization=0.1), SETTINGS)
     assert (r.prefill, r.decode) == (3, 1)
     assert r.arithmetic[:3] == (
-        "prefill: prompt tokens arrive at 800.0 tok/s, + 720 queued / 60 s window = 812.0 tok/s",
+        "prefill: prompt tokens arrive at 800.0 tok/s (the larger of 800.0 at this router and 0.0 computed by the "
+        "prefill workers), + 720 queued / 60 s window = 812.0 tok/s",
         "prefill: one prefill worker computes 450.0 tok/s busy; at 80% target utilisation 360.0 tok/s",
         "prefill: ceil(812.0 / 360.0) = 3 prefill workers",
     )
@@ -38,6 +39,16 @@ def test_long_outputs_recommend_more_decode_and_not_more_prefill():
     assert (r.prefill, r.decode) == (1, 4)
     assert "decode: ceil(500.0 / 160.0) = 4 decode workers" in r.arithmetic
     assert r.reasons["decode"] == "500.0 output tok/s over 160.0 tok/s per worker"
+
+
+def test_traffic_through_other_routers_counts_through_what_the_workers_computed():
+    """With several router processes, this one sees only its share; the workers see it all."""
+    r = recommend(inputs(prompt_tokens_per_s=200.0, prefill_computed_tokens_per_s=700.0,
+                         output_tokens_per_s=10.0, decode_generated_tokens_per_s=300.0, decode_running=3,
+                         decode_batch=3), SETTINGS)
+    assert (r.prefill, r.decode) == (2, 2)  # ceil(700 / 360), ceil(300 / 160)
+    assert r.reasons == {"prefill": "700.0 prompt tok/s over 360.0 tok/s per worker",
+                         "decode": "300.0 output tok/s over 160.0 tok/s per worker"}
 
 
 def test_idle_recommends_the_minimums():

@@ -115,6 +115,11 @@ def _throughput(pairs, latest: Sequence[WorkerInfo], tokens: str, busy: str) -> 
     return sum(getattr(w, tokens) for w in latest) / life_busy if life_busy >= MIN_BUSY_S else None
 
 
+def _rate(pairs, tokens: str, dt: float) -> float:
+    """Tokens per second the workers of a role computed over the window (all routers' traffic)."""
+    return sum(getattr(n, tokens) - getattr(o, tokens) for o, n in pairs) / dt if dt > 0 else 0.0
+
+
 def _utilization(pairs, busy: str, dt: float) -> float:
     if not pairs or dt <= 0:
         return 0.0
@@ -149,6 +154,8 @@ def measure(samples: Sequence[Sample], window_s: float, current_prefill: int, cu
         prompt_tokens_per_s=d["prompt_tokens"] / dt if dt > 0 else 0.0,
         output_tokens_per_s=d["generation_tokens"] / dt if dt > 0 else 0.0,
         mean_request_tokens=(d["prompt_tokens"] + d["generation_tokens"]) / d["requests"] if d["requests"] > 0 else 0.0,
+        prefill_computed_tokens_per_s=_rate(prefill_pairs, "prompt_tokens", dt),
+        decode_generated_tokens_per_s=_rate(decode_pairs, "generation_tokens", dt),
         prefill_tokens_per_busy_s=_throughput(prefill_pairs, _prefillers(new), "prompt_tokens", "prefill_busy_s"),
         decode_tokens_per_busy_s=_throughput(decode_pairs, decoders, "generation_tokens", "decode_busy_s"),
         prefill_utilization=_utilization(prefill_pairs, "prefill_busy_s", dt),
