@@ -117,9 +117,11 @@ async def timeline(base_url: str, args: argparse.Namespace, stop: asyncio.Event)
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as control:
             await asyncio.sleep(args.warmup)
             start = time.perf_counter()
-            now = await poll_roles(control, changed, args.change_timeout)
-            plans.append((await control.get("/v1/plan")).json())
-            windows.append(Window("before", "1+1", start, time.perf_counter()))
+            try:
+                now = await poll_roles(control, changed, args.change_timeout)
+            finally:  # the plan and the TTFT at 1+1 are reported even when the autoscaler never acted
+                plans.append((await control.get("/v1/plan")).json())
+                windows.append(Window("before", "1+1", start, time.perf_counter()))
             start, target = time.perf_counter(), shape(now)
             now = await poll_roles(control, settled, args.settle_timeout)
             windows.append(Window("scaling", f"1+1 -> {target}", start, time.perf_counter()))
@@ -180,7 +182,8 @@ def report(args: argparse.Namespace, windows: list[Window], plans: list[dict], o
     lines = [verdict(args, windows, outputs),
              f"- requests: {len(outputs)} sent, {len(outputs) - len(failed)} ok, {len(failed)} failed",
              f"- load average (1 min) at start {load[0]:.2f}, at end {load[1]:.2f}"]
-    for label, body in zip(("when the autoscaler acted", "at the end"), plans):
+    labels = ("when the autoscaler acted", "at the end") if len(windows) > 1 else ("when the run gave up",)
+    for label, body in zip(labels, plans):
         lines += plan_lines(label, body)
     print(text_table(HEADERS, rows), "\n")
     print("\n".join(lines))
