@@ -17,6 +17,7 @@ Disaggregated modes use the same loop plus two pairs of verbs:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from engine.loader.model_loader import load_model
 from engine.loader.weights_cache import default_cache_dir
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
-from engine.scheduler import EngineCoreOutput, Reservation, Scheduler
+from engine.scheduler import EngineCoreOutput, Reservation, Scheduler, SchedulerStats
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,20 @@ class CoreStats:
     """Prompt tokens computed here since start (for throughput: the stats line, heartbeats)."""
     generation_tokens: int = 0
     """Tokens sampled here since start."""
+    prefill_busy_s: float = 0.0
+    """Seconds of steps spent computing prompt tokens since start (SchedulerStats.prefill_busy_s)."""
+    decode_busy_s: float = 0.0
+    """Seconds of steps spent generating since start."""
+
+
+def charge_busy_time(stats: SchedulerStats, seconds: float, prompt_tokens: int, generated: int) -> None:
+    """Add one step's time to the phase counters, split by the tokens it computed (a step that
+    only decoded is all decode time; a chunk of prompt with a few decodes is mostly prefill)."""
+    total = prompt_tokens + generated
+    if total <= 0:
+        return  # a step that computed nothing (aborted work): neither phase ran
+    stats.prefill_busy_s += seconds * prompt_tokens / total
+    stats.decode_busy_s += seconds * generated / total
 
 
 class EngineCore:
@@ -147,8 +162,14 @@ class EngineCore:
         self.stalled = plan.is_empty and not plan.finished_ids and not plan.has_copies
         if self.stalled:
             return []
+        started = time.perf_counter()
+        stats = self.scheduler.stats
+        before = (stats.prompt_tokens, stats.generation_tokens)
         result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        outputs = self.scheduler.update(plan, result)
+        charge_busy_time(stats, time.perf_counter() - started, stats.prompt_tokens - before[0],
+                         stats.generation_tokens - before[1])
+        return outputs
 
     @property
     def has_work(self) -> bool:
@@ -221,4 +242,6 @@ class EngineCore:
             swap_blocks_used=s.swap.num_used_blocks,
             prompt_tokens=s.stats.prompt_tokens,
             generation_tokens=s.stats.generation_tokens,
+            prefill_busy_s=s.stats.prefill_busy_s,
+            decode_busy_s=s.stats.decode_busy_s,
         )

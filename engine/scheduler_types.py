@@ -110,3 +110,8 @@ class SchedulerStats:
     from another worker are not computed here, so not counted)."""
     generation_tokens: int = 0
     """Tokens sampled by this engine (a decode worker's first token comes from the prefill)."""
+    prefill_busy_s: float = 0.0
+    """Seconds of engine steps spent on prompt tokens (a step's time split by its tokens), so
+    prompt_tokens / prefill_busy_s is the throughput *while busy*: an idle worker does not look slow."""
+    decode_busy_s: float = 0.0
+    """Seconds of engine steps spent on generated tokens (the rest of each step's time)."""

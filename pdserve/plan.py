@@ -349,10 +349,16 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device-flops", type=float, default=None, help="FLOP/s a step reaches, e.g. 4e14")
     g.add_argument("--device-bandwidth", type=float, default=None, help="memory bytes/s, e.g. 3.35e12")
     g.add_argument("--json", action="store_true", help="machine-readable output")
+    g.add_argument("--live", default=None, metavar="URL",
+                   help="ask a running router (e.g. http://127.0.0.1:8000) for its live recommendation instead")
 
 
 def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the plan; bad input exits with status 2 and the reason (argparse's convention)."""
+    if args.live:  # the router's live planner (GET /v1/plan), not this offline estimate
+        from pdserve.plan_live import run_live
+
+        return run_live(args.live, args.json)
     from engine.loader.locate import resolve_model_path
     from engine.loader.spec_reader import read_spec
 

@@ -86,6 +86,7 @@ def add_routing_args(g) -> None:
     from pdserve.router_workers import add_router_workers_args  # --- router workers (helper E)
 
     add_router_workers_args(g)
+    add_planner_args(g)
 
 
 def add_limit_args(g) -> None:
@@ -307,6 +308,18 @@ def build_dashboard(args: argparse.Namespace, service, backend, reader, roles, a
 
 
 # --- end of the dashboard block -------------------------------------------------------------
+# --- Planner and --autoscale (GET /v1/plan; issue 14 item 3) --------------------------------
+# Flags, objects and tasks live in pdserve/planner_main.py; add_planner_args is called from
+# add_routing_args (so `pdserve up` takes the flags too and passes them on through RouterSpec).
+
+
+def add_planner_args(g) -> None:
+    from pdserve.planner_main import add_planner_args as add
+
+    add(g)
+
+
+# --- end of the planner block ---------------------------------------------------------------
 
 
 async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = None,
@@ -321,12 +334,16 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     service, backend, reader = build_service(args)
     api_key = api_key_from(args)
     roles, admin_access = build_admin(args, backend, reader, api_key)
+    from pdserve.planner_main import build_planner, plan_routes, start_planner
+
+    planner = build_planner(args, service, backend, reader, roles)
+
     ready = readiness_check(args, reader)
     dashboard_api, dashboard_sampler = build_dashboard(args, service, backend, reader, roles, api_key)
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
                                            max_request_bytes=args.max_request_bytes, readiness=ready,
                                            roles=roles, admin_access=admin_access,
-                                           ops_routes=(dashboard_api,)))
+                                           ops_routes=(dashboard_api, plan_routes(planner))))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:
@@ -362,6 +379,7 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
         on_ready(http_port, grpc_port)
     stats_task = start_cluster_stats(args, reader, backend) if not getattr(args, "router_worker_index", 0) else None
     dashboard_sampler.start()
+    planner_tasks = start_planner(planner)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -369,6 +387,9 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await dashboard_sampler.stop()
+    for task in planner_tasks:
+        task.cancel()
+    await asyncio.gather(*planner_tasks, return_exceptions=True)
     if stats_task is not None:
         stats_task.cancel()
         await asyncio.gather(stats_task, return_exceptions=True)
@@ -396,8 +417,10 @@ def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Ta
 def run_router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.preflight import port_problem, redis_auth_problem
 
+    from pdserve.planner_main import planner_problem
+
     ports = (("--port", args.port), ("--grpc-port", args.grpc_port)) if not getattr(args, "router_worker_index", 0) else ()
-    problem = port_problem(args.host, ports)  # process i > 0 shares process 0's ports
+    problem = planner_problem(args) or port_problem(args.host, ports)  # process i > 0 shares process 0's ports
     if problem is not None or (args.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve router: {problem}", file=sys.stderr, flush=True)  # before the tokenizer loads
         return 1

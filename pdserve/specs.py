@@ -99,7 +99,10 @@ def _check_positive(owner: object, *names: str) -> None:
 
 _LOGGING_FIELDS = ("log_format", "log_stats_interval_s")
 """Passed to a child only when not their defaults: a child of an older release takes the argv."""
-_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", *_LOGGING_FIELDS})
+_PLANNER_FIELDS = ("slo_ttft_ms", "slo_itl_ms", "plan_window_s", "plan_target_utilization", "autoscale",
+                   "autoscale_interval_s", "autoscale_cooldown_s", "autoscale_min_prefill", "autoscale_max_prefill",
+                   "autoscale_min_decode", "autoscale_max_decode")
+_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", *_LOGGING_FIELDS, *_PLANNER_FIELDS})
 
 
 def _check_logging(spec: WorkerSpec | RouterSpec) -> None:
@@ -113,6 +116,18 @@ def _logging_argv(spec: WorkerSpec | RouterSpec) -> list[str]:
     defaults = type(spec).__dataclass_fields__
     return [part for name in _LOGGING_FIELDS if getattr(spec, name) != defaults[name].default
             for part in (flag_of(name), str(getattr(spec, name)))]
+
+
+def _check_planner(spec: RouterSpec) -> None:
+    """The planner's own validation (router.ops.planner is pure: no I/O at import)."""
+    from router.ops.planner.autoscale import AutoscaleSettings
+    from router.ops.planner.model import PlanSettings, RoleBounds
+
+    PlanSettings(spec.slo_ttft_ms, spec.slo_itl_ms, spec.plan_target_utilization, RoleBounds(
+        spec.autoscale_min_prefill, spec.autoscale_max_prefill, spec.autoscale_min_decode, spec.autoscale_max_decode))
+    AutoscaleSettings(spec.autoscale_interval_s, spec.autoscale_cooldown_s)
+    if not spec.plan_window_s > 0:
+        raise ValueError(f"plan_window_s must be > 0; got {spec.plan_window_s}")
 
 
 @dataclass(frozen=True)
@@ -257,11 +272,29 @@ class RouterSpec:
     """Seconds between the router's cluster stats lines (only when they changed); 0: none."""
     router_workers: int = 1
     """Processes serving this router's ports (SO_REUSEPORT; pdserve/router_workers.py)."""
+    # The planner and --autoscale (router.ops.planner); passed only when not their defaults.
+    slo_ttft_ms: float | None = None
+    """Time-to-first-token p99 target of the planner; None: no TTFT rule."""
+    slo_itl_ms: float | None = None
+    """Inter-token latency p99 target of the planner; None: no ITL rule."""
+    plan_window_s: float = 60.0
+    """Seconds of live measurements the planner's rates are taken over."""
+    plan_target_utilization: float = 0.8
+    """Busy fraction the planner sizes each worker for."""
+    autoscale: bool = False
+    """Apply the planner's recommendation through the scaler (needs one)."""
+    autoscale_interval_s: float = 5.0
+    autoscale_cooldown_s: float = 30.0
+    autoscale_min_prefill: int = 1
+    autoscale_max_prefill: int = 4
+    autoscale_min_decode: int = 1
+    autoscale_max_decode: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.router_workers, bool) or not isinstance(self.router_workers, int) \
                 or self.router_workers < 1:
             raise ValueError(f"router_workers must be >= 1; got {self.router_workers!r}")
+        _check_planner(self)
         for name in ("port", "grpc_port"):
             _check_port(name, getattr(self, name))
         if not self.cluster:

@@ -67,6 +67,7 @@ def heartbeat_info(status: WorkerStatus, address: str, metrics_address: str) -> 
         state="draining" if status.state.value == "draining" else "serving",  # WorkerState.DRAINING
         prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
         prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
+        prefill_busy_s=s.prefill_busy_s, decode_busy_s=s.decode_busy_s,
     )
 
 

@@ -27,6 +27,7 @@ from proto.auth import sign, verify
 
 __all__ = [
     "ROLES",
+    "BUSY_SIGNATURE_FIELD",
     "COUNTERS_SIGNATURE_FIELD",
     "SIGNATURE_FIELD",
     "ClusterSnapshot",
@@ -140,6 +141,11 @@ class WorkerInfo:
     """Prompt tokens the worker computed."""
     generation_tokens: int = 0
     """Tokens the worker sampled."""
+    prefill_busy_s: float = 0.0
+    """Seconds its engine spent computing prompt tokens: prompt_tokens / prefill_busy_s is its
+    prefill throughput while busy (the planner's measure; idle time does not dilute it)."""
+    decode_busy_s: float = 0.0
+    """Seconds its engine spent generating: generation_tokens / decode_busy_s while busy."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -156,6 +162,10 @@ class WorkerInfo:
                 raise ValueError(
                     f"worker {self.worker_id!r}: {name} must be an int >= 0; got {value!r}"
                 )
+        for name in _BUSY_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"worker {self.worker_id!r}: {name} must be a finite number >= 0; got {value!r}")
         if self.state not in WORKER_STATES:
             raise ValueError(f"worker {self.worker_id!r}: state must be one of {', '.join(WORKER_STATES)}; "
                              f"got {self.state!r}")
@@ -216,6 +226,8 @@ class WorkerInfo:
 
 
 _COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
+_BUSY_FIELDS = ("prefill_busy_s", "decode_busy_s")
+"""Counters that came after the token counters, signed by BUSY_SIGNATURE_FIELD."""
 _INT_FIELDS = frozenset(
     {
         "block_size",
@@ -229,9 +241,9 @@ _INT_FIELDS = frozenset(
         "max_model_len",
         *_COUNTER_FIELDS,
     }
-)
-_FLOAT_FIELDS = frozenset({"updated_at"})
-_OPTIONAL_FIELDS = frozenset({"state", *_COUNTER_FIELDS})
+) - frozenset(_BUSY_FIELDS)
+_FLOAT_FIELDS = frozenset({"updated_at", *_BUSY_FIELDS})
+_OPTIONAL_FIELDS = frozenset({"state", *_COUNTER_FIELDS, *_BUSY_FIELDS})
 
 
 def _text(value: bytes | str) -> str:
@@ -284,21 +296,27 @@ COUNTERS_SIGNATURE_FIELD = "counters_signature"
 signature of their own, so either side may be a release older than the other: an older router
 checks `signature` and ignores the rest; a newer router reads counters only when this verifies,
 and a worker of an older release (no counters, no counters_signature) still verifies."""
+BUSY_SIGNATURE_FIELD = "busy_signature"
+"""The HMAC of every field, the busy seconds included. Their own signature for the same reason
+as the counters': a router of the release before them verifies `counters_signature` over the
+fields it knows and would refuse the heartbeat if the new fields were folded into it."""
 _SIGNATURE_DOMAIN = "pdserve-heartbeat-v1"
 """Signed first, so a heartbeat signature is never valid as any other signed message."""
 _COUNTERS_DOMAIN = "pdserve-heartbeat-counters-v1"
+_BUSY_DOMAIN = "pdserve-heartbeat-busy-v1"
 
 
 class UnsignedEntry(ValueError):
     """A heartbeat hash without a valid signature (none, or one that does not verify)."""
 
 
-def _signed_parts(cluster: str, text: Mapping[str, str], counters: bool = False) -> list[str]:
+def _signed_parts(cluster: str, text: Mapping[str, str], counters: bool = False, busy: bool = False) -> list[str]:
     # Every WorkerInfo field, by name, in declaration order: a field moved, dropped or changed
     # breaks the signature. Fields a newer worker may add are neither signed nor read.
-    parts = [_COUNTERS_DOMAIN if counters else _SIGNATURE_DOMAIN, cluster]
+    domain = _BUSY_DOMAIN if busy else _COUNTERS_DOMAIN if counters else _SIGNATURE_DOMAIN
+    parts = [domain, cluster]
     for f in fields(WorkerInfo):
-        if counters or f.name not in _COUNTER_FIELDS:
+        if (busy or f.name not in _BUSY_FIELDS) and (counters or busy or f.name not in _COUNTER_FIELDS):
             parts += [f.name, text.get(f.name, "")]
     return parts
 
@@ -309,6 +327,7 @@ def signed_hash(info: WorkerInfo, cluster: str, secret: bytes) -> dict[str, str]
     text = info.to_hash()
     text[SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text))
     text[COUNTERS_SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text, counters=True))
+    text[BUSY_SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text, busy=True))
     return text
 
 
@@ -318,7 +337,7 @@ def verified_info(data: Mapping[bytes | str, bytes | str], cluster: str, secret:
     secret None: no check (in-process library use and tests without a cluster secret; every
     pdserve process has one). Raises UnsignedEntry when the secret is set and the signature is
     missing or wrong (constant-time compare), or the hash holds counters whose own signature is
-    (COUNTERS_SIGNATURE_FIELD); ValueError when the hash does not parse.
+    (COUNTERS_SIGNATURE_FIELD, BUSY_SIGNATURE_FIELD); ValueError when the hash does not parse.
     """
     text = {_text(k): _text(v) for k, v in data.items()}
     if secret is not None:
@@ -331,4 +350,7 @@ def verified_info(data: Mapping[bytes | str, bytes | str], cluster: str, secret:
             counters_signature = text.get(COUNTERS_SIGNATURE_FIELD, "")
             if not verify(secret, counters_signature, *_signed_parts(cluster, text, counters=True)):
                 raise UnsignedEntry("heartbeat counters signature does not verify")
+        if any(name in text for name in _BUSY_FIELDS):
+            if not verify(secret, text.get(BUSY_SIGNATURE_FIELD, ""), *_signed_parts(cluster, text, busy=True)):
+                raise UnsignedEntry("heartbeat busy-time signature does not verify")
     return WorkerInfo.from_hash(text)

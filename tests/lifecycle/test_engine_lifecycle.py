@@ -174,3 +174,17 @@ def test_capacity_log_line_reports_blocks_tokens_and_concurrency(tiny_model_dir,
     tiny_llm(tiny_model_dir, num_gpu_blocks_override=None, kv_cache_memory=1 << 20, max_model_len=256)
     assert "KV cache: 128 blocks x 16 = 2,048 tokens (512 B/token); " \
            "max concurrency at 256 tokens/request: 8.0x" in caplog.text
+
+
+def test_engine_counts_busy_seconds_per_phase_while_it_steps(llm):
+    core = llm.engine.core
+    before = core.stats()
+    llm.engine.add_request("busy", _prompt(100, offset=9), SamplingParams(temperature=0.0, max_tokens=5,
+                                                                           ignore_eos=True))
+    _run_until(llm.engine, lambda: "busy" not in llm.engine.scheduler.requests)
+    after = core.stats()
+    assert after.prompt_tokens - before.prompt_tokens == 100
+    assert after.generation_tokens - before.generation_tokens == 5
+    assert after.prefill_busy_s > before.prefill_busy_s
+    assert after.decode_busy_s > before.decode_busy_s
+    assert_idle(llm)

@@ -75,6 +75,8 @@ def test_to_hash_writes_every_field_as_a_string():
         "prefix_cache_hits": "0",
         "prompt_tokens": "0",
         "generation_tokens": "0",
+        "prefill_busy_s": "0.0",
+        "decode_busy_s": "0.0",
     }
 
 
@@ -165,7 +167,7 @@ def as_redis_bytes(fields: dict[str, str]) -> dict[bytes, bytes]:
 def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
     info = make_worker()
     stored = signed_hash(info, "prod", SECRET)
-    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD, COUNTERS_SIGNATURE_FIELD}
+    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD, COUNTERS_SIGNATURE_FIELD, "busy_signature"}
     assert verified_info(as_redis_bytes(stored), "prod", SECRET) == info
 
 
@@ -202,8 +204,9 @@ def test_a_heartbeat_without_the_token_counters_verifies_and_reads_them_as_zero(
     """A worker of the release before the counters signs and writes none of them."""
     info = make_worker()
     counters = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
+    later = ("prefill_busy_s", "decode_busy_s", "busy_signature")  # came after the counters
     text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
-            if k not in counters and k != COUNTERS_SIGNATURE_FIELD}
+            if k not in counters + later and k != COUNTERS_SIGNATURE_FIELD}
     parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
     assert parsed == info
     assert [getattr(parsed, name) for name in counters] == [0, 0, 0, 0]
@@ -238,3 +241,45 @@ def test_token_counters_round_trip_through_a_signed_heartbeat():
     parsed = verified_info(as_redis_bytes(signed_hash(info, "prod", SECRET)), "prod", SECRET)
     assert (parsed.prefix_cache_queries, parsed.prefix_cache_hits, parsed.prompt_tokens,
             parsed.generation_tokens) == (320, 128, 192, 45)
+
+
+def test_busy_seconds_round_trip_through_a_signed_heartbeat_and_a_change_is_refused():
+    import dataclasses
+
+    info = dataclasses.replace(make_worker(), prompt_tokens=900, prefill_busy_s=1.5, decode_busy_s=0.25)
+    stored = signed_hash(info, "prod", SECRET)
+    parsed = verified_info(as_redis_bytes(stored), "prod", SECRET)
+    assert (parsed.prefill_busy_s, parsed.decode_busy_s) == (1.5, 0.25)
+    stored["prefill_busy_s"] = "0.5"  # a faster-looking worker
+    with pytest.raises(UnsignedEntry, match="heartbeat busy-time signature does not verify"):
+        verified_info(stored, "prod", SECRET)
+
+
+def test_the_counters_signature_is_the_previous_releases_so_a_router_before_busy_time_takes_it():
+    """The release before the busy seconds signed the counters over the fields it knew, in order."""
+    import dataclasses
+
+    from proto.auth import verify
+
+    info = dataclasses.replace(make_worker(), prompt_tokens=5, prefill_busy_s=2.0)
+    stored = signed_hash(info, "prod", SECRET)
+    previous = [f.name for f in dataclasses.fields(WorkerInfo)][:20]
+    assert previous[-1] == "generation_tokens"
+    parts = ["pdserve-heartbeat-counters-v1", "prod"] + [part for name in previous for part in (name, stored[name])]
+    assert verify(SECRET, stored[COUNTERS_SIGNATURE_FIELD], *parts)
+
+
+def test_a_heartbeat_without_busy_seconds_verifies_and_reads_them_as_zero():
+    info = make_worker()
+    text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
+            if k not in ("prefill_busy_s", "decode_busy_s", "busy_signature")}
+    parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
+    assert (parsed.prefill_busy_s, parsed.decode_busy_s) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan")])
+def test_busy_seconds_must_be_finite_and_not_negative(value):
+    import dataclasses
+
+    with pytest.raises(ValueError, match="prefill_busy_s must be a finite number >= 0"):
+        dataclasses.replace(make_worker(), prefill_busy_s=value)

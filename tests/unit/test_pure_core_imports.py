@@ -30,6 +30,7 @@ PURE_MODULES = (
     "engine.registry",
     "router.routing.prefix_index",
     "router.routing.local_prefill",
+    "router.ops.planner.model",
 )
 
 PURE_FILES = sorted(
@@ -44,6 +45,7 @@ PURE_FILES = sorted(
         REPO / "engine" / "registry.py",
         REPO / "router" / "routing" / "prefix_index.py",
         REPO / "router" / "routing" / "local_prefill.py",
+        REPO / "router" / "ops" / "planner" / "model.py",
     }
 )
 

@@ -61,6 +61,20 @@ def test_router_spec_round_trips_through_its_argv():
     assert RouterSpec.from_args(build_parser().parse_args(spec.to_argv())) == spec
 
 
+def test_router_spec_round_trips_its_planner_settings_and_passes_none_by_default():
+    spec = RouterSpec(scaler="local", slo_ttft_ms=1500.0, slo_itl_ms=80.0, plan_window_s=20.0,
+                      plan_target_utilization=0.7, autoscale=True, autoscale_interval_s=2.0, autoscale_cooldown_s=10.0,
+                      autoscale_min_prefill=1, autoscale_max_prefill=3, autoscale_min_decode=2, autoscale_max_decode=5)
+    assert RouterSpec.from_args(build_parser().parse_args(spec.to_argv())) == spec
+    assert not [part for part in RouterSpec().to_argv() if part.startswith(("--slo", "--plan", "--autoscale"))]
+
+
+def test_router_spec_refuses_planner_bounds_the_wrong_way_round():
+    with pytest.raises(ValueError) as info:
+        RouterSpec(autoscale_min_decode=3, autoscale_max_decode=2)
+    assert str(info.value) == "autoscale decode bounds must satisfy 0 <= min <= max, max >= 1; got min 3, max 2"
+
+
 def test_router_spec_names_its_scaler_only_when_one_is_set():
     assert "--scaler" not in RouterSpec().to_argv()
     argv = RouterSpec(scaler="local", max_replicas=4).to_argv()
@@ -111,7 +125,7 @@ def run_pdserve(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("kv-cache-memory: 1GiB\ngpus: 2\n", "unknown key 'gpus' (known: api-key, block-size, cluster, colocated, "),
+    ("kv-cache-memory: 1GiB\ngpus: 2\n", "unknown key 'gpus' (known: api-key, autoscale, autoscale-cooldown, "),
     ("kv-cache-memory: lots\n", "kv-cache-memory: not a size: 'lots' (e.g. 2GiB, 512MiB, 1000000)"),
     ("max-num-seqs: many\n", "max-num-seqs: invalid int value: 'many'"),
     ("dtype: float64\n", "dtype: invalid choice 'float64' (choose from auto, float32, bfloat16, float16)"),

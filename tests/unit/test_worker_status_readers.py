@@ -16,7 +16,8 @@ from worker_runtime.status import TransferTotals, WorkerState, WorkerStatus
 
 CORE = CoreStats(total_blocks=100, free_blocks=60, reserved_blocks=7, cached_blocks=5, num_running=3,
                  num_waiting=2, num_reserved=1, queued_prefill_tokens=90, num_preemptions=4,
-                 prefix_cache_queries=320, prefix_cache_hits=48, prompt_tokens=272, generation_tokens=35)
+                 prefix_cache_queries=320, prefix_cache_hits=48, prompt_tokens=272, generation_tokens=35,
+                 prefill_busy_s=0.75, decode_busy_s=1.25)
 STATUS = WorkerStatus(worker_id="decode-3", incarnation="inc-9", role="decode", state=WorkerState.SERVING,
                       block_size=16, max_model_len=2048, core=CORE, in_flight=6,
                       transfers=TransferTotals(count=11, nbytes=4096, seconds=0.5, failures=2))
@@ -30,7 +31,8 @@ def test_heartbeat_info_publishes_the_status_numbers_and_state(state, published)
         "metrics_address": "127.0.0.1:9001", "incarnation": "inc-9", "block_size": 16, "total_blocks": 100,
         "free_blocks": 60, "reserved_blocks": 7, "cached_blocks": 5, "num_running": 3, "num_waiting": 2,
         "queued_prefill_tokens": 90, "max_model_len": 2048, "updated_at": 0, "state": published,
-        "prefix_cache_queries": 320, "prefix_cache_hits": 48, "prompt_tokens": 272, "generation_tokens": 35}
+        "prefix_cache_queries": 320, "prefix_cache_hits": 48, "prompt_tokens": 272, "generation_tokens": 35,
+        "prefill_busy_s": 0.75, "decode_busy_s": 1.25}
     assert info.draining is (state is WorkerState.DRAINING)
 
 
