@@ -40,6 +40,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
     add_admin_args(parser.add_argument_group("roles, scaling and admin"))
+    add_timeline_args(parser.add_argument_group("per-request timelines"))
     from pdserve.logs import add_log_args
 
     add_log_args(parser.add_argument_group("logging"))
@@ -175,7 +176,8 @@ def build_service(args: argparse.Namespace):
                              secret=secret)
     backend.kv_reader = kv_reader
     limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
-    service = RouterService(tokenizer, backend, name, max_model_len, limits=limits)
+    service = RouterService(tokenizer, backend, name, max_model_len, limits=limits,
+                            timelines=timeline_store(args))
     service.metrics.registry.register(ClusterCollector(backend, reader, name, kv_reader))
     return service, backend, reader
 
@@ -280,6 +282,29 @@ def build_admin(args: argparse.Namespace, backend, reader, api_key: str | None):
 # --- end of the roles, scaling and admin block ---------------------------------------------
 
 
+# --- per-request timelines (issue 14 item 2) -----------------------------------------------
+def add_timeline_args(g) -> None:
+    """`pdserve up` takes these too and passes them on through RouterSpec."""
+    from router.ops.timeline import DEFAULT_TIMELINE_CAPACITY
+
+    g.add_argument("--timeline-capacity", type=int, default=DEFAULT_TIMELINE_CAPACITY,
+                   help="per-request timelines kept for GET /v1/requests/{id}/timeline (the oldest is dropped)")
+
+
+def timeline_store(args: argparse.Namespace):
+    from router.ops.timeline import DEFAULT_TIMELINE_CAPACITY, TimelineStore
+
+    return TimelineStore(getattr(args, "timeline_capacity", DEFAULT_TIMELINE_CAPACITY))
+
+
+def timeline_ops_routes(service) -> tuple:
+    """The timeline routes over the service's ring (none when it keeps no timelines)."""
+    from router.ops.timeline_http import timeline_routes
+
+    return () if service.timelines is None else (timeline_routes(service.timelines),)
+# --- end of the per-request timelines block ------------------------------------------------
+
+
 async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = None,
                        on_ready=None) -> None:
     """Serve until SIGINT/SIGTERM, or until `stop` is set when given (a host that is not this
@@ -295,7 +320,8 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     ready = readiness_check(args, reader)
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
                                            max_request_bytes=args.max_request_bytes, readiness=ready,
-                                           roles=roles, admin_access=admin_access))
+                                           roles=roles, admin_access=admin_access,
+                                           ops_routes=timeline_ops_routes(service)))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:

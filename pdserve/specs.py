@@ -99,7 +99,7 @@ def _check_positive(owner: object, *names: str) -> None:
 
 _LOGGING_FIELDS = ("log_format", "log_stats_interval_s")
 """Passed to a child only when not their defaults: a child of an older release takes the argv."""
-_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", *_LOGGING_FIELDS})
+_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "timeline_capacity", *_LOGGING_FIELDS})
 
 
 def _check_logging(spec: WorkerSpec | RouterSpec) -> None:
@@ -255,6 +255,8 @@ class RouterSpec:
     """"text" or "json" (JSON lines with role and request_id)."""
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     """Seconds between the router's cluster stats lines (only when they changed); 0: none."""
+    timeline_capacity: int = 1000
+    """Per-request timelines the router keeps (router.ops.timeline.DEFAULT_TIMELINE_CAPACITY)."""
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -266,7 +268,8 @@ class RouterSpec:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES.names())}; got {self.policy!r}")
         _check_positive(self, "ticket_timeout_s", "max_queue_wait_s", "prefill_timeout_s",
-                        "stream_idle_timeout_s", "max_request_bytes", "max_n", "max_queued_requests")
+                        "stream_idle_timeout_s", "max_request_bytes", "max_n", "max_queued_requests",
+                        "timeline_capacity")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0; got {self.max_model_len}")
         for name in ("local_prefill_max_tokens", "local_prefill_min_queue", "prefill_queue_weight",
