@@ -12,7 +12,8 @@ The phases, in order, each from where the previous ended (so they add up to e2e 
   decode          -> the last token
   finish          -> the end of the response (the run closed)
 
-A boundary the request never reached (an error before its ticket, a backend that does not
+A backend that does not trace (a test script, a local engine) gets one phase, "backend", from
+its start to the first token. A boundary the request never reached (an error before its ticket, a backend that does not
 trace) is left out, and the phase before it runs on. Boundaries come from two clocks that are
 both time.monotonic in the router (the run's and the backend's); each is clamped between its
 neighbours, so a test clock cannot make a phase negative.
@@ -84,7 +85,10 @@ class TimelineRecorder:
         return None if t is None else (t - self._arrived) * 1000.0
 
     def _starts(self) -> list[tuple[str, float | None]]:
-        marks = self._trace.marks if self._trace else {}
+        if self._trace is None:  # a backend that does not trace: one phase until the first token
+            return [("validate", 0.0), ("backend", self._ms(self._dispatched)),
+                    ("decode", self._ms(self._first)), ("finish", self._ms(self._last))]
+        marks = self._trace.marks
         backend_start = marks.get("backend_start", self._dispatched)
         return [("validate", 0.0), ("admission_wait", self._ms(backend_start)),
                 ("reserve", self._ms(marks.get("reserve_start"))), ("prefill", self._ms(marks.get("ticket"))),
