@@ -38,6 +38,11 @@ class Decode(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request, context):
         self.requests.append(request)
+        if request.local_prefill:  # the fallback: it prefills itself and streams every token
+            yield worker_pb2.DecodeEvent(ticket=worker_pb2.Ticket(ticket_id=0, decode_worker_id="d1"))
+            for k in range(len(TOKENS)):
+                yield _chunk(k)
+            return
         streams = self.early and request.stream_first_token
         yield worker_pb2.DecodeEvent(ticket=worker_pb2.Ticket(
             ticket_id=5, decode_worker_id="d1", num_cached_tokens=16, num_blocks=1,
@@ -101,7 +106,7 @@ class Cluster:
         self.kv_in, self.replied, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.decode = Decode(self.kv_in, self.replied, early, first_after_reply)
         self.prefill = Prefill(self.kv_in, self.replied, self.release, fail)
-        self.spare = Prefill(asyncio.Event(), asyncio.Event(), asyncio.Event())
+        self.spare = Prefill(asyncio.Event(), asyncio.Event(), self.release, fail)
         self.servers: list[grpc.aio.Server] = []
 
     async def start(self) -> ClusterBackend:
@@ -254,3 +259,22 @@ def test_a_client_leaving_while_the_prefill_runs_cancels_it_and_aborts_both_work
     assert first.token_ids == (7,)
     assert backend.transfers.count == 0
     assert backend._placements == {} and backend._prefill_tokens == {}
+
+
+def test_every_prefill_failing_before_a_token_falls_back_to_the_decode_worker_and_the_trace_says_so():
+    async def run():
+        cluster = Cluster(early=False, fail=True)
+        backend = await cluster.start()
+        cluster.release.set()
+        deltas = await asyncio.wait_for(_deltas(backend.generate(_request())), 10)
+        await cluster.stop()
+        return cluster, backend, deltas
+
+    cluster, backend, deltas = asyncio.run(run())
+    assert [d.token_ids for d in deltas] == [(7,), (7,), (9,)]
+    assert (cluster.prefill.calls, cluster.spare.calls) == (1, 1)
+    assert (backend.transfers.prefill_retries, dict(backend.fallbacks)) == (2, {"prefill_failed": 1})
+    first = deltas[0]
+    assert (first.path, first.route.fallback, first.route.prefill_id) == ("colocated", "prefill_failed", None)
+    assert (first.trace.route.fallback, first.trace.route.prefill_id) == ("prefill_failed", None)
+    assert list(first.trace.marks) == ["backend_start", "reserve_start", "ticket", "first_token"]

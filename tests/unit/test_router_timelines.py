@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.cli import build_parser
+from pdserve.specs import RouterSpec
 from router.api.http import HttpSettings, create_app
 from router.ops.timeline import RouteSummary, TimelineStore, TransferSummary
 from router.ops.timeline_http import timeline_routes
@@ -209,3 +211,13 @@ def test_chat_sse_chunks_carry_sample_times_too():
                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
     chunks = [c for c in sse_payloads(response.text) if isinstance(c, dict) and "pdserve_sampled_at" in c]
     assert [c["pdserve_sampled_at"] for c in chunks] == [[10.0], [10.5, 11.0]]
+
+
+def test_timeline_capacity_is_a_router_spec_field_that_pdserve_up_passes_on_only_when_set():
+    assert "--timeline-capacity" not in RouterSpec().to_argv()
+    spec = RouterSpec(timeline_capacity=5)
+    assert spec.to_argv()[-2:] == ["--timeline-capacity", "5"]
+    assert RouterSpec.from_args(build_parser().parse_args(spec.to_argv())) == spec
+    assert RouterSpec.from_args(build_parser().parse_args(["up", "--timeline-capacity", "7"])).timeline_capacity == 7
+    with pytest.raises(ValueError, match="timeline_capacity"):
+        RouterSpec(timeline_capacity=0)
