@@ -40,7 +40,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="the cluster has no prefill workers by design: /ready needs only a decode worker")
     add_routing_args(parser.add_argument_group("routing and admission"))
     add_admin_args(parser.add_argument_group("roles, scaling and admin"))
-    add_timeline_args(parser.add_argument_group("per-request timelines"))
+    add_timeline_args(timelines := parser.add_argument_group("per-request timelines"))
+    timelines.add_argument("--otlp-traces-endpoint", default=None,
+                           help="also export each request's timeline as OpenTelemetry spans to this OTLP/HTTP URL")
     from pdserve.logs import add_log_args
 
     add_log_args(parser.add_argument_group("logging"))
@@ -294,7 +296,13 @@ def add_timeline_args(g) -> None:
 def timeline_store(args: argparse.Namespace):
     from router.ops.timeline import DEFAULT_TIMELINE_CAPACITY, TimelineStore
 
-    return TimelineStore(getattr(args, "timeline_capacity", DEFAULT_TIMELINE_CAPACITY))
+    store = TimelineStore(getattr(args, "timeline_capacity", DEFAULT_TIMELINE_CAPACITY))
+    if getattr(args, "otlp_traces_endpoint", None):
+        from router.ops.timeline_otel import otlp_subscriber
+
+        if (spans := otlp_subscriber(args.otlp_traces_endpoint)) is not None:
+            store.subscribe(spans)
+    return store
 
 
 def timeline_ops_routes(service) -> tuple:

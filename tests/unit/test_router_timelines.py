@@ -221,3 +221,45 @@ def test_timeline_capacity_is_a_router_spec_field_that_pdserve_up_passes_on_only
     assert RouterSpec.from_args(build_parser().parse_args(["up", "--timeline-capacity", "7"])).timeline_capacity == 7
     with pytest.raises(ValueError, match="timeline_capacity"):
         RouterSpec(timeline_capacity=0)
+
+
+def test_a_timeline_becomes_one_trace_with_a_span_per_phase_at_its_own_times():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from router.ops.timeline_otel import TimelineSpans
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    clock, store = Clock(), TimelineStore()
+    store.subscribe(TimelineSpans(provider.get_tracer("test")))
+    recorder = TimelineRecorder(store, "otel-1", MODEL, clock, lambda: 1_700_000_000.0)
+    recorder.dispatched()
+    clock.now = 100.010
+    recorder.on_delta(0, TokenDelta((7,), finish_reason="length"))
+    clock.now = 100.030
+    recorder.finish(finish_reason="length", path="colocated", prompt_tokens=2, completion_tokens=1, sequences=1)
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert sorted(spans) == ["pdserve.backend", "pdserve.decode", "pdserve.finish", "pdserve.request",
+                             "pdserve.validate"]
+    root, finish = spans["pdserve.request"], spans["pdserve.finish"]
+    near = lambda ns, want: abs(ns - want) < 1000  # noqa: E731 (float seconds -> ns: within 1 us)
+    assert near(root.start_time, 1_700_000_000_000_000_000) and near(root.end_time, 1_700_000_000_030_000_000)
+    assert near(finish.start_time, 1_700_000_000_010_000_000) and finish.end_time == root.end_time
+    assert all(s.parent.span_id == root.context.span_id for s in spans.values() if s is not root)
+    assert root.attributes["pdserve.request_id"] == "otel-1"
+    assert [e.name for e in root.events] == ["first_token", "last_token"]
+
+
+def test_without_the_otlp_exporter_installed_export_is_off_with_a_warning(caplog):
+    from router.ops.timeline_otel import otlp_subscriber
+
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+    except ImportError:
+        assert otlp_subscriber("http://127.0.0.1:4318/v1/traces") is None
+        assert "opentelemetry-exporter-otlp" in caplog.text
+    else:
+        pytest.skip("the OTLP exporter is installed here")
