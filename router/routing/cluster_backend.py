@@ -12,7 +12,11 @@ For one backend request:
      that fails is replaced by the next one with the same ticket; when none is left, the
      reservation is dropped and the decode worker prefills the prompt itself (a counted
      fallback, path "colocated");
-  4. the first token goes to the client, then the decode stream's tokens.
+  4. the first token goes to the client, then the decode stream's tokens. A decode worker that
+     streams the first token itself (DecodeRequest.stream_first_token) may bring it before the
+     Prefill reply: whichever is first is sent, once (router/routing/first_token.py).
+Every request carries a BackendTrace (router/serving/trace.py) on its first delta: the times of
+its reservation, prefill and first token, and its route and KV transfer, for its timeline.
 Leaving early (client gone, stop string, error) aborts the request on both workers. Every end
 tells the admission queue how many blocks were freed. Every call has a deadline
 (router/routing/worker_calls.py): a decode stream silent for stream_idle_s ends with an explicit error.
@@ -198,10 +202,11 @@ class ClusterBackend:
         generated = 0
         finished = silent = False
         late_prefill: asyncio.Task | None = None
+        pending: asyncio.Task | None = None
         try:
             route = self._route_info(admitted, queue_s, None, trace)
             path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
-            pending, skip, untold = None, 0, trace  # untold: the trace rides on the first delta
+            skip, untold = 0, trace  # untold: the trace rides on the first delta
             if path == PATH_DISAGGREGATED:
                 race = await self._first_token(request, admitted, trace)
                 if race.first is None:  # every prefill worker failed: this decode worker prefills
@@ -240,6 +245,8 @@ class ClusterBackend:
         except grpc.aio.AioRpcError as exc:
             raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
         finally:
+            if pending is not None:  # left before reading what the stream sent after the reply
+                pending.cancel()
             if late_prefill is not None:
                 await settle_prefill(late_prefill, finished, self.timeouts.abort_s)
             self._prefill_tokens.pop(request.request_id, None)
