@@ -214,7 +214,7 @@ class ClusterBackend:
                     path, route = PATH_COLOCATED, self._route_info(admitted, queue_s, "prefill_failed", trace)
                 else:
                     late_prefill, pending, skip = race.prefill, race.pending_read, race.skip
-                    first = stream_delta(race.first, path, route) if race.from_stream else race.first
+                    first = race.first
                     generated += len(first.token_ids)
                     finished = first.finish_reason is not None
                     trace.mark("first_token")
@@ -264,7 +264,8 @@ class ClusterBackend:
         (router/routing/first_token.py); first None when every prefill worker failed."""
         settled = asyncio.Event()
         race = await race_first_token(self._prefill_or_fall_back(request, admitted, trace, settled),
-                                      admitted.stream, settled, admitted.ticket.first_token_on_stream)
+                                      admitted.stream, settled, admitted.ticket.first_token_on_stream,
+                                      lambda event: stream_delta(event, PATH_DISAGGREGATED, None))
         if race.first is not None:
             trace.prefill["first_token_from"] = "stream" if race.from_stream else "prefill_reply"
         return race

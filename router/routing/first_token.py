@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -36,9 +36,8 @@ from router.serving.backend import TokenDelta
 class FirstToken:
     """How the first token arrived."""
 
-    first: TokenDelta | object | None
-    """The first token's delta (a TokenDelta), the stream's first event when it came first
-    (a DecodeEvent; the caller converts it), or None when every prefill worker failed."""
+    first: TokenDelta | None
+    """The first token's delta, or None when every prefill worker failed."""
     from_stream: bool = False
     prefill: asyncio.Task | None = None
     """The Prefill call still running after the stream brought the first token (settle it)."""
@@ -49,9 +48,9 @@ class FirstToken:
 
 
 async def race_first_token(prefill: Awaitable[TokenDelta | None], stream, settled: asyncio.Event,
-                           streams_first: bool) -> FirstToken:
+                           streams_first: bool, to_delta: Callable[[object], TokenDelta]) -> FirstToken:
     """Runs `prefill` (which stops trying other workers once `settled` is set) against the
-    decode stream's first read. Raises what `prefill` raises while it is the only source, the
+    decode stream's first read (a DecodeEvent, made a delta by `to_delta`). Raises what `prefill` raises while it is the only source, the
     stream's AioRpcError, and WorkerFailure for a stream that ends before its first token.
     Cancelled: both are cancelled."""
     task = asyncio.ensure_future(prefill)
@@ -65,7 +64,7 @@ async def race_first_token(prefill: Awaitable[TokenDelta | None], stream, settle
         read.cancel()
         raise
     if read.done():
-        return _stream_first(read, task, settled)
+        return _stream_first(read, task, settled, to_delta)
     try:
         first = task.result()
     except BaseException:
@@ -77,7 +76,8 @@ async def race_first_token(prefill: Awaitable[TokenDelta | None], stream, settle
     return FirstToken(first, pending_read=read, skip=1)
 
 
-def _stream_first(read: asyncio.Task, prefill: asyncio.Task, settled: asyncio.Event) -> FirstToken:
+def _stream_first(read: asyncio.Task, prefill: asyncio.Task, settled: asyncio.Event,
+                  to_delta: Callable[[object], TokenDelta]) -> FirstToken:
     try:
         event = read.result()
     except BaseException:
@@ -87,7 +87,7 @@ def _stream_first(read: asyncio.Task, prefill: asyncio.Task, settled: asyncio.Ev
         prefill.cancel()
         raise WorkerFailure("the decode worker ended the stream before the first token")
     settled.set()
-    return FirstToken(event, from_stream=True, prefill=prefill)
+    return FirstToken(to_delta(event), from_stream=True, prefill=prefill)
 
 
 async def next_event(stream, pending: asyncio.Task | None, timeout_s: float, what: str):
