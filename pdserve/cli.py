@@ -187,6 +187,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
 
     add_launcher_args(up)
     add_routing_args(up.add_argument_group("routing and admission"))
+    from pdserve.router_main import add_timeline_args
+
+    add_timeline_args(up.add_argument_group("per-request timelines"))
     from pdserve.logs import add_log_args
 
     add_log_args(up.add_argument_group("logging"))

@@ -43,6 +43,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.router_workers import add_router_worker_index_arg  # --- router workers (helper E)
 
     add_router_worker_index_arg(g)
+    add_timeline_args(timelines := parser.add_argument_group("per-request timelines"))
+    timelines.add_argument("--otlp-traces-endpoint", default=None,
+                           help="also export each request's timeline as OpenTelemetry spans to this OTLP/HTTP URL")
     from pdserve.logs import add_log_args
 
     add_log_args(parser.add_argument_group("logging"))
@@ -182,7 +185,8 @@ def build_service(args: argparse.Namespace):
                              secret=secret)
     backend.kv_reader = kv_reader
     limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
-    service = RouterService(tokenizer, backend, name, max_model_len, limits=limits)
+    service = RouterService(tokenizer, backend, name, max_model_len, limits=limits,
+                            timelines=timeline_store(args))
     service.metrics.registry.register(ClusterCollector(backend, reader, name, kv_reader))
     return service, backend, reader
 
@@ -320,6 +324,33 @@ def add_planner_args(g) -> None:
 
 
 # --- end of the planner block ---------------------------------------------------------------
+# --- per-request timelines (issue 14 item 2) -----------------------------------------------
+def add_timeline_args(g) -> None:
+    """`pdserve up` takes these too and passes them on through RouterSpec."""
+    from router.ops.timeline import DEFAULT_TIMELINE_CAPACITY
+
+    g.add_argument("--timeline-capacity", type=int, default=DEFAULT_TIMELINE_CAPACITY,
+                   help="per-request timelines kept for GET /v1/requests/{id}/timeline (the oldest is dropped)")
+
+
+def timeline_store(args: argparse.Namespace):
+    from router.ops.timeline import DEFAULT_TIMELINE_CAPACITY, TimelineStore
+
+    store = TimelineStore(getattr(args, "timeline_capacity", DEFAULT_TIMELINE_CAPACITY))
+    if getattr(args, "otlp_traces_endpoint", None):
+        from router.ops.timeline_otel import otlp_subscriber
+
+        if (spans := otlp_subscriber(args.otlp_traces_endpoint)) is not None:
+            store.subscribe(spans)
+    return store
+
+
+def timeline_ops_routes(service) -> tuple:
+    """The timeline routes over the service's ring (none when it keeps no timelines)."""
+    from router.ops.timeline_http import timeline_routes
+
+    return () if service.timelines is None else (timeline_routes(service.timelines),)
+# --- end of the per-request timelines block ------------------------------------------------
 
 
 async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = None,
@@ -343,7 +374,7 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     app = create_app(service, HttpSettings(api_key=api_key, cluster_view=cluster_view(args, backend, reader),
                                            max_request_bytes=args.max_request_bytes, readiness=ready,
                                            roles=roles, admin_access=admin_access,
-                                           ops_routes=(dashboard_api, plan_routes(planner))))
+                                           ops_routes=(dashboard_api, *timeline_ops_routes(service), plan_routes(planner))))
     app.state.cluster_backend = backend
     app.state.cluster_reader = reader
     if backend.kv_reader is not None:

@@ -102,7 +102,8 @@ _LOGGING_FIELDS = ("log_format", "log_stats_interval_s")
 _PLANNER_FIELDS = ("slo_ttft_ms", "slo_itl_ms", "plan_window_s", "plan_target_utilization", "autoscale",
                    "autoscale_interval_s", "autoscale_cooldown_s", "autoscale_min_prefill", "autoscale_max_prefill",
                    "autoscale_min_decode", "autoscale_max_decode")
-_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", *_LOGGING_FIELDS, *_PLANNER_FIELDS})
+_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", "timeline_capacity", *_LOGGING_FIELDS,
+                                 *_PLANNER_FIELDS})
 
 
 def _check_logging(spec: WorkerSpec | RouterSpec) -> None:
@@ -289,6 +290,8 @@ class RouterSpec:
     autoscale_max_prefill: int = 4
     autoscale_min_decode: int = 1
     autoscale_max_decode: int = 4
+    timeline_capacity: int = 1000
+    """Per-request timelines the router keeps (router.ops.timeline.DEFAULT_TIMELINE_CAPACITY)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.router_workers, bool) or not isinstance(self.router_workers, int) \
@@ -304,7 +307,8 @@ class RouterSpec:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES.names())}; got {self.policy!r}")
         _check_positive(self, "ticket_timeout_s", "max_queue_wait_s", "prefill_timeout_s",
-                        "stream_idle_timeout_s", "max_request_bytes", "max_n", "max_queued_requests")
+                        "stream_idle_timeout_s", "max_request_bytes", "max_n", "max_queued_requests",
+                        "timeline_capacity")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0; got {self.max_model_len}")
         for name in ("local_prefill_max_tokens", "local_prefill_min_queue", "prefill_queue_weight",

@@ -40,6 +40,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transfer=worker_pb2.TransferStats(
                 bytes=result.nbytes, seconds=result.seconds, num_blocks=result.num_blocks,
                 backend=self.worker.backend_name),
+            timing=worker_pb2.PrefillTiming(queue_s=result.queue_s, compute_s=result.compute_s,
+                                            first_token_at=result.first_token_at),
         )
         if result.first_logprobs is not None:
             response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -79,6 +80,30 @@ class Shipment:
     """(decode address, incarnation): the channel to forget if the transfer fails."""
 
 
+@dataclass
+class PrefillTimes:
+    """Stamps of one prefill on this worker (engine loop thread after acceptance). The engine
+    does not say when it schedules a request's first chunk; the poll hook runs just before each
+    step, so the last time it saw the request uncomputed bounds that chunk's start."""
+
+    accepted_at: float = field(default_factory=time.monotonic)
+    unscheduled_at: float | None = None
+    """time.monotonic() when the loop last saw it waiting for its first chunk."""
+    first_token_at: float | None = None
+    """time.monotonic() at its first token."""
+    first_token_unix: float = 0.0
+
+    def first_token(self) -> None:
+        self.first_token_at, self.first_token_unix = time.monotonic(), time.time()
+
+    def split(self) -> tuple[float, float]:
+        """(queue_s, compute_s): acceptance -> first chunk, first chunk -> first token."""
+        end = self.first_token_at if self.first_token_at is not None else time.monotonic()
+        start = self.unscheduled_at if self.unscheduled_at is not None else self.accepted_at
+        start = min(max(start, self.accepted_at), end)
+        return start - self.accepted_at, end - start
+
+
 @dataclass(eq=False)
 class PrefillRecord:
     """One Prefill call the worker holds, from acceptance until a terminal state.
@@ -102,6 +127,8 @@ class PrefillRecord:
     shipment: Shipment | None = None
     """Set when it enters SENDING."""
     key: int = field(default_factory=lambda: next(_serial))
+    timing: PrefillTimes = field(default_factory=lambda: PrefillTimes())
+    """Where its time went on this worker (PrefillResponse.timing)."""
 
     @property
     def ended(self) -> bool:
@@ -142,6 +169,10 @@ class PrefillResult:
     nbytes: int
     seconds: float
     num_blocks: int
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    first_token_at: float = 0.0
+    """Unix time the first token was sampled (0: unknown)."""
 
 
 @dataclass(frozen=True)

@@ -315,6 +315,7 @@ class PrefillWorker:
         return True
 
     def _on_first_token(self, record: PrefillRecord, output: EngineCoreOutput, address, target) -> None:
+        record.timing.first_token()
         if record.ended:  # cannot happen while attached; never leave blocks behind
             self.core.release_blocks(record.request_id)
             return
@@ -362,11 +363,15 @@ class PrefillWorker:
         self._poll_transfers()
 
     def _note_progress(self) -> None:
-        """QUEUED -> COMPUTING once the engine has computed a chunk of the prompt."""
+        """QUEUED -> COMPUTING once the engine has computed a chunk of the prompt; until then,
+        stamp it as still waiting (this hook runs just before each step)."""
+        now = time.monotonic()
         for record in list(self._queued.values()):
             request = self.core.scheduler.requests.get(record.request_id)
             if request is not None and request.num_computed_tokens > 0:
                 self._move(record, PrefillState.COMPUTING)
+            else:
+                record.timing.unscheduled_at = now
 
     def _poll_transfers(self) -> None:
         """Settle every finished transfer's request; each is handled on its own, so a request
@@ -397,6 +402,7 @@ class PrefillWorker:
         if record.abandoned:
             self._move(record, PrefillState.ABORTED, "the client left while its KV was on the wire")
             return
+        queue_s, compute_s = record.timing.split()
         self._end(record, PrefillState.SENT, result=PrefillResult(
             first_token_id=shipment.first.new_token_ids[0],
             first_logprobs=shipment.first.logprobs,
@@ -404,4 +410,7 @@ class PrefillWorker:
             nbytes=result.nbytes,
             seconds=result.seconds,
             num_blocks=shipment.num_blocks,
+            queue_s=queue_s,
+            compute_s=compute_s,
+            first_token_at=record.timing.first_token_unix,
         ))

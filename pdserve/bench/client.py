@@ -3,7 +3,10 @@
 Requests are portable across vLLM, pdserve and llama.cpp's llama-server: `max_tokens`,
 `stream: true`, `stream_options.include_usage`, `ignore_eos` when asked, `temperature`.
 Output tokens come from the final usage when the server sends it, else from the token chunks;
-TTFT and ITL come from the arrival times of token chunks (see pdserve.bench.sse).
+TTFT and ITL come from the arrival times of token chunks (see pdserve.bench.sse). A pdserve
+router asked for them (X-Pdserve-Token-Times) also says when each token was sampled: the
+difference to its arrival here is its delivery delay (both unix clocks: on one host exact, across
+hosts as good as their clock sync).
 A request never raises: HTTP errors, in-band errors and broken streams become a failed
 `RequestOutput` carrying the message.
 """
@@ -66,6 +69,8 @@ class RequestOutput:
     """Send to last token."""
     start_time: float = 0.0
     generated_text: str = ""
+    delivery: tuple[float, ...] = ()
+    """Per token whose sample time the server sent: arrival (time.time()) minus sample time."""
 
 
 class _Stream:
@@ -81,12 +86,16 @@ class _Stream:
         self.usage_tokens: int | None = None
         self.finished = False
         self.error: str | None = None
+        self.delivery: list[float] = []
 
-    def add(self, payload: str, now: float) -> None:
+    def add(self, payload: str, now: float, wall: float | None = None) -> None:
+        """`now`: perf_counter at arrival; `wall`: time.time() at arrival (for delivery delay)."""
         chunk = parse_chunk(payload)
         if chunk.error is not None:
             self.error = chunk.error
             return
+        wall = time.time() if wall is None else wall
+        self.delivery += [wall - sampled for sampled in chunk.sampled_at]
         self.finished = self.finished or chunk.done or chunk.finish_reason is not None
         if chunk.prompt_tokens is not None:
             self.prompt_len = chunk.prompt_tokens
@@ -111,7 +120,7 @@ class _Stream:
             success=error is None, error=error or "", prompt_len=self.prompt_len,
             output_tokens=self.usage_tokens if self.usage_tokens is not None else self.tokens,
             ttft=self.ttft or 0.0, itl=tuple(self.itl), latency=self.last - self.start,
-            start_time=self.start, generated_text="".join(self.text),
+            start_time=self.start, generated_text="".join(self.text), delivery=tuple(self.delivery),
         )
 
 
@@ -128,9 +137,9 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: S
                                      request.prompt_len, start_time=start)
             decoder = SSEDecoder()
             async for data in response.aiter_bytes():
-                now = time.perf_counter()
+                now, wall = time.perf_counter(), time.time()
                 for payload in decoder.feed(data):
-                    stream.add(payload, now)
+                    stream.add(payload, now, wall)
             for payload in decoder.close():
                 stream.add(payload, time.perf_counter())
     except Exception as exc:  # noqa: BLE001 — one broken request must not end the run

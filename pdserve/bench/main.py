@@ -68,6 +68,10 @@ async def first_model(base_url: str, headers: dict[str, str]) -> str:
     return models[0]["id"]
 
 
+TOKEN_TIMES = {"X-Pdserve-Token-Times": "1"}
+"""Asks a pdserve router for each token's sample time (token delivery delay); others ignore it."""
+
+
 def build_endpoint(args: argparse.Namespace, base_url: str, model: str, headers: dict[str, str]) -> Endpoint:
     sampling = {"top_p": args.top_p, "top_k": args.top_k}
     extra = {k: v for k, v in sampling.items() if v is not None} | (args.extra_body or {})
@@ -75,7 +79,8 @@ def build_endpoint(args: argparse.Namespace, base_url: str, model: str, headers:
     ignore_eos = args.ignore_eos or DATASETS[args.dataset_name] == "random"
     return Endpoint(api_url=base_url + args.endpoint, model=args.served_model_name or model,
                     chat=args.endpoint.endswith("chat/completions"), ignore_eos=ignore_eos,
-                    temperature=args.temperature, extra_body=extra, headers=headers)
+                    temperature=args.temperature, extra_body=extra,
+                    headers=TOKEN_TIMES | headers)
 
 
 def auth_headers(args: argparse.Namespace) -> dict[str, str]:

@@ -55,6 +55,9 @@ class BenchmarkMetrics:
     """Output tokens that arrived in each second of the run (from the first send)."""
     max_output_tokens_per_s: float
     max_concurrent_requests: int
+    delivery: MetricStats | None = None
+    """Token delivery delay (sample on the server -> arrival here), pooled over tokens; None
+    when the server sent no sample times."""
 
 
 def percentile_word(p: float) -> str:
@@ -114,7 +117,12 @@ def compute_metrics(
         output_lens=tuple(o.output_tokens if o.success else 0 for o in outputs),
         tokens_per_second=per_second, max_output_tokens_per_s=float(max(per_second, default=0)),
         max_concurrent_requests=peak_concurrency(ok),
+        delivery=_delivery([d for o in ok for d in o.delivery], wanted),
     )
+
+
+def _delivery(samples_s: Sequence[float], percentiles: Sequence[float]) -> MetricStats | None:
+    return metric_stats(samples_s, percentiles) if samples_s else None
 
 
 def token_times(output: RequestOutput) -> list[float]:

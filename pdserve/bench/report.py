@@ -72,8 +72,20 @@ def result_block(m: BenchmarkMetrics, run: RunResult, info: RunInfo, printed_met
                   _line(f"Median {short} (ms):", s.median, ".2f")]
         lines += [_line(f"P{percentile_word(p)} {short} (ms):", v, ".2f")
                   for p, v in s.percentiles if p in printed_percentiles]
+    lines += _delivery_lines(m)
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def _delivery_lines(m: BenchmarkMetrics) -> list[str]:
+    """Token delivery delay, only when the server sent each token's sample time (pdserve)."""
+    s = m.delivery
+    if s is None:
+        return []
+    p99 = dict(s.percentiles).get(99.0, 0.0)
+    return ["{:-^50}".format("Token Delivery Delay (sample -> client)"),
+            _line("Mean delivery (ms):", s.mean, ".2f"), _line("Median delivery (ms):", s.median, ".2f"),
+            _line("P99 delivery (ms):", p99, ".2f")]
 
 
 def failure_lines(run: RunResult) -> list[str]:
@@ -107,8 +119,8 @@ def result_json(m: BenchmarkMetrics, run: RunResult, info: RunInfo, goodput: boo
         "max_concurrent_requests": m.max_concurrent_requests,
         "client_cpu_percent": run.cpu_percent, "client_cpu_seconds": run.cpu_s,
     }
-    for name in METRICS:
-        s = m.stats[name]
+    stats = dict(m.stats) | ({"delivery": m.delivery} if m.delivery is not None else {})
+    for name, s in stats.items():
         result[f"mean_{name}_ms"], result[f"median_{name}_ms"], result[f"std_{name}_ms"] = s.mean, s.median, s.std
         for p, value in s.percentiles:
             result[f"p{percentile_word(p)}_{name}_ms"] = value

@@ -60,6 +60,9 @@ class Chunk:
     prompt_tokens: int | None = None
     """From `usage`, when the chunk has one."""
     completion_tokens: int | None = None
+    sampled_at: tuple[float, ...] = ()
+    """pdserve's `pdserve_sampled_at` (asked for with X-Pdserve-Token-Times: 1): the unix time,
+    on the server's clock, each token of the chunk was sampled; empty from other servers."""
 
 
 def parse_chunk(payload: str) -> Chunk:
@@ -83,7 +86,14 @@ def parse_chunk(payload: str) -> Chunk:
     finish_reason = choice.get("finish_reason")
     text, token = _choice_text(choice, finish_reason)
     return Chunk(token=token, text=text or "", finish_reason=finish_reason,
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 sampled_at=_sample_times(data.get("pdserve_sampled_at")))
+
+
+def _sample_times(value: object) -> tuple[float, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, (int, float)) for t in value):
+        return ()
+    return tuple(float(t) for t in value)
 
 
 def _choice_text(choice: dict, finish_reason: str | None) -> tuple[str | None, bool]:

@@ -32,6 +32,7 @@ from router.errors import (
 from router.api.event_stream import EventStreamResponse, wait_for_disconnect
 from router.serving.metrics import PROMETHEUS_CONTENT_TYPE
 from router.api.openai_encode import (
+    TOKEN_TIMES_HEADER,
     ChatChunks,
     ChunkEncoder,
     CompletionChunks,
@@ -40,6 +41,7 @@ from router.api.openai_encode import (
     detokenize_body,
     dumps,
     models_body,
+    WithTokenTimes,
     sse_lines,
     tokenize_body,
 )
@@ -203,7 +205,7 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
         ids, rid = bool(body.return_token_ids), request_id(request)
         if body.stream:
             stream = await _unless_disconnected(request, service.stream_complete(body, rid))
-            return _event_stream(stream, CompletionChunks(stream, ids))
+            return _event_stream(stream, _token_times(request, CompletionChunks(stream, ids)))
         result = await _unless_disconnected(request, service.complete(body, rid))
         return _json(completion_body(result, ids), result.head)
 
@@ -212,7 +214,7 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
         ids, rid = bool(body.return_token_ids), request_id(request)
         if body.stream:
             stream = await _unless_disconnected(request, service.stream_chat(body, rid))
-            return _event_stream(stream, ChatChunks(stream, ids))
+            return _event_stream(stream, _token_times(request, ChatChunks(stream, ids)))
         result = await _unless_disconnected(request, service.chat(body, rid))
         return _json(chat_body(result, ids), result.head)
 
@@ -230,6 +232,11 @@ async def _json_body(request: Request) -> None:
 def request_id(request: Request) -> str:
     """The id RequestIdMiddleware gave this request."""
     return request.scope["state"]["request_id"]
+
+
+def _token_times(request: Request, chunks: ChunkEncoder) -> ChunkEncoder:
+    """The client asked for each token's sample time (X-Pdserve-Token-Times: 1)."""
+    return WithTokenTimes(chunks) if request.headers.get(TOKEN_TIMES_HEADER) == "1" else chunks
 
 
 def _path_headers(head: ResponseHead) -> dict[str, str]:

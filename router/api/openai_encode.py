@@ -278,6 +278,31 @@ class ChatChunks:
         return {**_head(self._stream.head, "chat.completion.chunk"), "choices": [], "usage": body}
 
 
+TOKEN_TIMES_HEADER = "x-pdserve-token-times"
+"""Request header: "1" adds each token's sample time to the SSE chunks (WithTokenTimes)."""
+
+
+class WithTokenTimes:
+    """A ChunkEncoder that adds `"pdserve_sampled_at": [unix seconds per token]` (the worker's
+    clock) to each chunk whose tokens' sample times the backend reported, so a client can
+    measure token delivery delay (receive time minus sample time). Opt-in: a pdserve field."""
+
+    def __init__(self, inner: ChunkEncoder) -> None:
+        self._inner = inner
+
+    def opening(self) -> list[JSON]:
+        return self._inner.opening()
+
+    def update(self, u: ChoiceUpdate) -> JSON:
+        chunk = self._inner.update(u)
+        if u.sampled_at:
+            chunk["pdserve_sampled_at"] = list(u.sampled_at)
+        return chunk
+
+    def usage(self, usage: Usage) -> JSON:
+        return self._inner.usage(usage)
+
+
 def _with_usage(chunk: JSON, u: ChoiceUpdate) -> JSON:
     if u.usage is not None:
         chunk["usage"] = {

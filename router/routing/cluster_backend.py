@@ -12,7 +12,11 @@ For one backend request:
      that fails is replaced by the next one with the same ticket; when none is left, the
      reservation is dropped and the decode worker prefills the prompt itself (a counted
      fallback, path "colocated");
-  4. the first token goes to the client, then the decode stream's tokens.
+  4. the first token goes to the client, then the decode stream's tokens. A decode worker that
+     streams the first token itself (DecodeRequest.stream_first_token) may bring it before the
+     Prefill reply: whichever is first is sent, once (router/routing/first_token.py).
+Every request carries a BackendTrace (router/serving/trace.py) on its first delta: the times of
+its reservation, prefill and first token, and its route and KV transfer, for its timeline.
 Leaving early (client gone, stop string, error) aborts the request on both workers. Every end
 tells the admission queue how many blocks were freed. Every call has a deadline
 (router/routing/worker_calls.py): a decode stream silent for stream_idle_s ends with an explicit error.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -32,19 +37,23 @@ import grpc
 from proto.convert import params_to_proto
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.ops.timeline import RouteSummary
 from router.routing.admission import AdmissionQueue, AdmissionSettings
+from router.routing.first_token import (
+    FirstToken, next_event, race_first_token, settle_prefill, skip_delivered)
 from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
+from router.serving.trace import BackendTrace
 from router.cluster.state import ClusterSnapshot
 from router.errors import InvalidRequest, Overloaded, WorkerFailure
 from router.routing.policy import RouteDecision, RouteRequest, prompt_blocks
-from router.serving.types import TokenLogprobs
 from router.routing.worker_calls import (
     WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within, request_error)
 
 logger = logging.getLogger(__name__)
 
-PATH_DISAGGREGATED = "disaggregated"
-PATH_COLOCATED = "colocated"
+from router.routing.worker_replies import (  # noqa: F401 (the paths are imported from here too)
+    PATH_COLOCATED, PATH_DISAGGREGATED, reply_delta, stream_delta, streams_first_token, trace_prefill,
+    trace_reserve)
 
 RouteRequestBuilder = Callable[[tuple[int, ...], "int | None", ClusterSnapshot], RouteRequest]
 """Builds a policy's view of a request (the prefix index fills in cached blocks)."""
@@ -99,10 +108,6 @@ class _Admitted:
     decode_id: str
     stream: object  # grpc.aio stream of DecodeEvent
     ticket: worker_pb2.Ticket
-
-
-def _logprobs(msg) -> TokenLogprobs:
-    return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
 def check_fits_capacity(num_prompt_tokens: int, max_tokens: int | None, snapshot: ClusterSnapshot) -> None:
@@ -182,6 +187,8 @@ class ClusterBackend:
 
     async def generate(self, request: BackendRequest) -> AsyncIterator[TokenDelta]:
         prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
+        trace = BackendTrace()
+        trace.mark("backend_start")
         snapshot = await self._snapshot()
         try:
             check_fits_capacity(len(prompt), max_tokens, snapshot)
@@ -190,29 +197,41 @@ class ClusterBackend:
             raise
         block_size = min((w.block_size for w in snapshot.decode_workers()), default=16)
         admitted, queue_s = await self.admission.admit(
-            lambda: self._try_admit(request), prompt_blocks(len(prompt), block_size))
+            lambda: self._try_admit(request, trace), prompt_blocks(len(prompt), block_size))
+        trace.queue_s = queue_s
         generated = 0
         finished = silent = False
+        late_prefill: asyncio.Task | None = None
+        pending: asyncio.Task | None = None
         try:
-            route = self._route_info(admitted, queue_s, None)
+            route = self._route_info(admitted, queue_s, None, trace)
             path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
+            skip, untold = 0, trace  # untold: the trace rides on the first delta
             if path == PATH_DISAGGREGATED:
-                try:
-                    first = await self._prefill_or_fall_back(request, admitted)
-                finally:
-                    self._prefill_tokens.pop(request.request_id, None)
-                if first is None:  # every prefill worker failed: this decode worker prefills
+                race = await self._first_token(request, admitted, trace)
+                if race.first is None:  # every prefill worker failed: this decode worker prefills
                     admitted = await self._admit_local(request, admitted)
-                    path, route = PATH_COLOCATED, self._route_info(admitted, queue_s, "prefill_failed")
+                    path, route = PATH_COLOCATED, self._route_info(admitted, queue_s, "prefill_failed", trace)
                 else:
+                    late_prefill, pending, skip = race.prefill, race.pending_read, race.skip
+                    first = race.first
                     generated += len(first.token_ids)
-                    yield _with(first, route=route)
-                    route = None
+                    finished = first.finish_reason is not None
+                    trace.mark("first_token")
+                    yield replace(first, route=route, trace=trace)
+                    route = untold = None
+                    if finished:
+                        return
             stream, wait_s = admitted.stream, self._first_read_s(path)
-            while (event := await read_within(stream, wait_s, f"decode worker {admitted.decode_id}")) \
-                    is not grpc.aio.EOF:  # read() only: no mixing
-                wait_s = self.timeouts.stream_idle_s
-                delta = _delta(event, path, route)
+            what = f"decode worker {admitted.decode_id}"
+            while (event := await next_event(stream, pending, wait_s, what)) is not grpc.aio.EOF:
+                pending, wait_s = None, self.timeouts.stream_idle_s
+                delta, skip = skip_delivered(stream_delta(event, path, route), skip)
+                if delta is None:
+                    continue
+                if untold is not None:
+                    trace.mark("first_token")
+                    delta, untold = replace(delta, trace=trace), None
                 route = None
                 generated += len(delta.token_ids)
                 finished = delta.finish_reason is not None
@@ -226,6 +245,10 @@ class ClusterBackend:
         except grpc.aio.AioRpcError as exc:
             raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
         finally:
+            if pending is not None:  # left before reading what the stream sent after the reply
+                pending.cancel()
+            if late_prefill is not None:
+                await settle_prefill(late_prefill, finished, self.timeouts.abort_s)
             self._prefill_tokens.pop(request.request_id, None)
             placement = self._placements.get(request.request_id)
             if silent and placement is not None:  # its abort may wait out its deadline: the client hears now
@@ -235,6 +258,17 @@ class ClusterBackend:
             self._placements.pop(request.request_id, None)
             if placement is not None:
                 self.admission.blocks_freed(prompt_blocks(len(prompt) + generated, placement.block_size))
+
+    async def _first_token(self, request: BackendRequest, admitted: _Admitted, trace: BackendTrace) -> FirstToken:
+        """The first token from the Prefill reply or the decode stream, whichever is first
+        (router/routing/first_token.py); first None when every prefill worker failed."""
+        settled = asyncio.Event()
+        race = await race_first_token(self._prefill_or_fall_back(request, admitted, trace, settled),
+                                      admitted.stream, settled, admitted.ticket.first_token_on_stream,
+                                      lambda event: stream_delta(event, PATH_DISAGGREGATED, None))
+        if race.first is not None:
+            trace.prefill["first_token_from"] = "stream" if race.from_stream else "prefill_reply"
+        return race
 
     def _first_read_s(self, path: str) -> float:
         """After a local admission the decode worker computes the prompt before its first token."""
@@ -247,13 +281,16 @@ class ClusterBackend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _route_info(self, admitted: _Admitted, queue_s: float, fallback: str | None) -> RouteInfo:
+    def _route_info(self, admitted: _Admitted, queue_s: float, fallback: str | None,
+                    trace: BackendTrace) -> RouteInfo:
         d = admitted.decision
         prefill = None if fallback else d.prefill_id
+        trace.route = RouteSummary(prefill, admitted.decode_id, d.reason, d.inputs, fallback)
         return RouteInfo(admitted.decode_id, prefill, d.reason, d.inputs, queue_s, fallback)
 
-    async def _try_admit(self, request: BackendRequest) -> _Admitted | None:
-        """One admission attempt on a fresh snapshot; None when no decode worker has room."""
+    async def _try_admit(self, request: BackendRequest, trace: BackendTrace | None = None) -> _Admitted | None:
+        """One admission attempt on a fresh snapshot; None when no decode worker has room.
+        `trace` gets the successful attempt's reservation (its Decode call until the ticket)."""
         snapshot = self._with_own_load(await self._snapshot())
         route = self._route_request(request.prompt_token_ids, request.params.max_tokens, snapshot)
         decision = self._choose(route, snapshot, self._rng)
@@ -263,8 +300,11 @@ class ClusterBackend:
         self.last_decision = decision
         logger.debug("route %s: %s %s", request.request_id, decision.reason, decision.inputs)
         local = decision.prefill_id is None  # the decode worker does it all
+        reserve_start = time.monotonic()
         admitted = await self._admit(request, snapshot, decision, local)
         if admitted is not None:
+            if trace is not None:
+                trace_reserve(trace, reserve_start, admitted)
             self.decisions[(decision.prefill_id or "-", admitted.decode_id)] += 1
             if local and snapshot.prefill_workers():
                 self.fallbacks["local_prefill"] += 1  # conditional disaggregation: counted, not silent
@@ -309,7 +349,7 @@ class ClusterBackend:
             stream = stub.Decode(worker_pb2.DecodeRequest(
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
-                local_prefill=local))
+                local_prefill=local, stream_first_token=streams_first_token(request, local)))
             try:
                 first = await read_within(stream, self.timeouts.stream_idle_s, f"decode worker {worker_id}")
             except grpc.aio.AioRpcError as exc:
@@ -346,38 +386,44 @@ class ClusterBackend:
             raise WorkerFailure("no prefill worker could serve the request and no decode worker took it back")
         return local
 
-    async def _prefill_or_fall_back(self, request: BackendRequest, admitted: _Admitted) -> TokenDelta | None:
-        """The first token from a prefill worker, trying each in turn; None when all failed."""
+    async def _prefill_or_fall_back(self, request: BackendRequest, admitted: _Admitted, trace: BackendTrace,
+                                    settled: asyncio.Event) -> TokenDelta | None:
+        """The first token from a prefill worker, trying each in turn; None when all failed, or
+        when the decode stream brought the first token (`settled`) before one succeeded."""
         snapshot, decision, ticket = admitted.snapshot, admitted.decision, admitted.ticket
         ordered = [w.worker_id for w in snapshot.prefill_workers() if w.worker_id != admitted.decode_id]
         if decision.prefill_id in ordered:
             ordered.remove(decision.prefill_id)
             ordered.insert(0, decision.prefill_id)
-        for worker_id in ordered:
-            info = snapshot.by_id(worker_id)
-            if info is None:
-                continue
-            self._placements[request.request_id].prefill_address = info.address
-            stub = worker_pb2_grpc.PrefillWorkerStub(self.channel(info.address))
-            try:
-                reply = await stub.Prefill(worker_pb2.PrefillRequest(
-                    request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                    sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
-            except grpc.aio.AioRpcError as exc:
-                if (error := request_error(exc)) is not None:  # another prefill worker would refuse it too
-                    raise error from exc
-                self.transfers.prefill_retries += 1
-                logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
-                               request.request_id, worker_id, exc.code().name, exc.details())
-                continue
-            self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, reply.transfer.seconds)
-            return TokenDelta(
-                token_ids=(reply.first_token_id,),
-                logprobs=(_logprobs(reply.first_logprobs),) if reply.HasField("first_logprobs") else (),
-                num_cached_tokens=max(ticket.num_cached_tokens, reply.num_cached_tokens),
-                path=PATH_DISAGGREGATED,
-            )
-        logger.warning("no prefill worker could serve %s; the decode worker prefills it", request.request_id)
+        try:
+            for attempt, worker_id in enumerate(ordered, start=1):
+                info = snapshot.by_id(worker_id)
+                if info is None or settled.is_set():
+                    continue
+                self._placements[request.request_id].prefill_address = info.address
+                stub = worker_pb2_grpc.PrefillWorkerStub(self.channel(info.address))
+                sent_at = time.monotonic()
+                try:
+                    reply = await stub.Prefill(worker_pb2.PrefillRequest(
+                        request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                        sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
+                except grpc.aio.AioRpcError as exc:
+                    if settled.is_set():  # the KV had arrived: nothing to retry
+                        return None
+                    if (error := request_error(exc)) is not None:  # another prefill worker would refuse it too
+                        raise error from exc
+                    self.transfers.prefill_retries += 1
+                    logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
+                                   request.request_id, worker_id, exc.code().name, exc.details())
+                    continue
+                self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, reply.transfer.seconds)
+                trace_prefill(trace, worker_id, attempt, time.monotonic() - sent_at, reply,
+                               ticket.num_cached_tokens // max(info.block_size, 1))
+                return reply_delta(reply, ticket)
+        finally:
+            self._prefill_tokens.pop(request.request_id, None)
+        if not settled.is_set():
+            logger.warning("no prefill worker could serve %s; the decode worker prefills it", request.request_id)
         return None
 
     async def abort(self, request_id: str) -> None:
@@ -398,19 +444,3 @@ class ClusterBackend:
                 worker_pb2.AbortRequest(request_id=request_id), timeout=self.timeouts.abort_s)
         except grpc.aio.AioRpcError as exc:  # the worker may be gone; nothing to free there
             logger.info("abort of %s on %s failed: %s", request_id, address, exc.code().name)
-
-
-def _delta(event, path: str, route: RouteInfo | None) -> TokenDelta:
-    chunk = event.tokens
-    return TokenDelta(
-        token_ids=tuple(chunk.token_ids),
-        logprobs=tuple(_logprobs(lp) for lp in chunk.logprobs),
-        finish_reason=chunk.finish_reason or None,
-        stop_token_id=chunk.stop_token_id if chunk.stop_token_id >= 0 else None,
-        path=path,
-        route=route,
-    )
-
-
-def _with(delta: TokenDelta, route: RouteInfo | None) -> TokenDelta:
-    return replace(delta, route=route)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.sampling_params import SamplingParams
+from router.serving.trace import BackendTrace
 from router.serving.types import TokenLogprobs
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -80,6 +81,10 @@ class TokenDelta:
     """How the request was served, e.g. "disaggregated" or "decode-only"; echoed to clients."""
     route: RouteInfo | None = None
     """On the first delta of a routed request: where it went and why."""
+    trace: BackendTrace | None = None
+    """On the first delta, from a backend that traces: filled on as the request goes on."""
+    sampled_at: tuple[float, ...] = ()
+    """Unix time (the worker's clock) each token was sampled; empty when the worker did not say."""
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):

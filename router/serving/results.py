@@ -69,6 +69,8 @@ class ChoiceUpdate:
     """The stop string or user stop token id that ended the choice; None for EOS/length."""
     usage: Usage | None = None
     """This choice's running usage, when the client asked for continuous usage stats."""
+    sampled_at: tuple[float, ...] = ()
+    """Unix time (worker clock) each of token_ids was sampled, when the backend said; else empty."""
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from router.serving.backend import BackendRequest, GenerationBackend
+from router.serving.backend import BackendRequest, GenerationBackend, TokenDelta
 from router.serving.choice import ChoiceTracker
 from router.serving.fanout import FanOut, run_shielded
 from router.serving.metrics import RouterMetrics
 from router.serving.results import ChoiceUpdate, CompletionResult, ResponseHead, Usage
+from router.serving.timeline_recorder import TimelineRecorder
 from router.api.validation import Prompt
 
 
@@ -61,8 +62,11 @@ class GenerationRun:
         request_id: str,
         plan: GenerationPlan,
         clock: Callable[[], float],
+        recorder: TimelineRecorder | None = None,
     ) -> None:
+        """recorder: writes this request's timeline when it ends (None: no timeline)."""
         self._plan = plan
+        self._recorder = recorder
         self._metrics = metrics
         self._clock = clock
         requests = backend_requests(request_id, plan)
@@ -101,10 +105,12 @@ class GenerationRun:
 
         Raises the backend's RouterError. A stop string stops (and aborts) its backend request.
         """
-        item = await self._fanout.next()
+        item = await self._next()
         if item is None:
             return None
         i, delta = item
+        if self._recorder is not None:
+            self._recorder.on_delta(i, delta)
         self._path = self._path or delta.path
         if self._route is None and delta.route is not None:
             self._route = delta.route.header_value()
@@ -119,7 +125,19 @@ class GenerationRun:
         if self._plan.continuous_usage:
             usage = Usage(len(self._plan.prompts[i // self._plan.n].token_ids), tracker.num_tokens)
             update = dataclasses.replace(update, usage=usage)
+        if delta.sampled_at:  # a stop string may have consumed fewer tokens than the delta had
+            update = dataclasses.replace(update, sampled_at=delta.sampled_at[: len(update.token_ids)])
         return update
+
+    async def _next(self) -> tuple[int, TokenDelta] | None:
+        if self._recorder is None:
+            return await self._fanout.next()
+        self._recorder.dispatched()
+        try:
+            return await self._fanout.next()
+        except Exception as exc:
+            self._recorder.failed(exc)
+            raise
 
     def _observe_tokens(self, i: int, count: int) -> None:
         if count == 0:
@@ -172,6 +190,12 @@ class GenerationRun:
                 e2e_seconds=(self._ended_at[i] or now) - self._started,
                 path=self._path,
             )
+        if self._recorder is not None:
+            usage = self.usage()
+            self._recorder.finish(
+                finish_reason=self._trackers[0].finish_reason, path=self._path,
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                sequences=len(self._trackers))
 
 
 async def drain(run: GenerationRun) -> CompletionResult:

@@ -49,6 +49,8 @@ from router.serving.results import (
     UsageReport,
 )
 from router.serving.run import GenerationPlan, GenerationRun, drain
+from router.serving.timeline_recorder import TimelineRecorder
+from router.ops.timeline import TimelineStore
 from router.api.validation import (
     Prompt,
     RequestLimits,
@@ -120,10 +122,13 @@ class RouterService:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        timelines: TimelineStore | None = None,
     ) -> None:
         """`clock` times latencies (seconds, monotonic); `wall_clock` stamps `created`;
         `new_request_id` names each request towards the backend (unique: the client's own id is
-        only echoed, so two requests that reuse one cannot abort each other)."""
+        only echoed, so two requests that reuse one cannot abort each other); `timelines`
+        keeps each generation request's timeline by the client's request id (None: none kept)."""
+        self.timelines = timelines
         self._tokenizer = tokenizer
         self._backend = backend
         self.model_name = model_name
@@ -207,12 +212,17 @@ class RouterService:
     async def _completion_run(
         self, req: CompletionRequest, request_id: str, cached_tokens: bool
     ) -> GenerationRun:
-        check_model(req.model, self.model_name)
-        refuse_unsupported(req)
-        check_limits(req, num_completion_prompts(req), self._limits)
-        plan = await self._off_loop(self._completion_plan, req, request_id, cached_tokens,
-                                    inline=small_prompt(req.prompt))
-        return self._run(request_id, plan)
+        recorder = self._recorder(request_id)
+        try:
+            check_model(req.model, self.model_name)
+            refuse_unsupported(req)
+            check_limits(req, num_completion_prompts(req), self._limits)
+            plan = await self._off_loop(self._completion_plan, req, request_id, cached_tokens,
+                                        inline=small_prompt(req.prompt))
+        except RouterError as exc:
+            _refused(recorder, exc)
+            raise
+        return self._run(request_id, plan, recorder)
 
     def _completion_plan(
         self, req: CompletionRequest, request_id: str, cached_tokens: bool
@@ -230,13 +240,24 @@ class RouterService:
     async def _chat_run(
         self, req: ChatCompletionRequest, request_id: str, cached_tokens: bool
     ) -> GenerationRun:
-        check_model(req.model, self.model_name)
-        refuse_unsupported(req)
-        check_chat_options(req)
-        check_limits(req, 1, self._limits)
-        plan = await self._off_loop(self._chat_plan, req, request_id, cached_tokens,
-                                    inline=small_chat(req.messages))
-        return self._run(request_id, plan)
+        recorder = self._recorder(request_id)
+        try:
+            check_model(req.model, self.model_name)
+            refuse_unsupported(req)
+            check_chat_options(req)
+            check_limits(req, 1, self._limits)
+            plan = await self._off_loop(self._chat_plan, req, request_id, cached_tokens,
+                                        inline=small_chat(req.messages))
+        except RouterError as exc:
+            _refused(recorder, exc)
+            raise
+        return self._run(request_id, plan, recorder)
+
+    def _recorder(self, request_id: str) -> TimelineRecorder | None:
+        """Started at arrival: the timeline's 0 is when the service first sees the request."""
+        if self.timelines is None:
+            return None
+        return TimelineRecorder(self.timelines, request_id, self.model_name, self._clock, self._wall_clock)
 
     def _chat_plan(
         self, req: ChatCompletionRequest, request_id: str, cached_tokens: bool
@@ -274,13 +295,14 @@ class RouterService:
             prompt_tokens_details=self._prompt_tokens_details or cached_tokens,
         )
 
-    def _run(self, client_request_id: str, plan: GenerationPlan) -> GenerationRun:
+    def _run(self, client_request_id: str, plan: GenerationPlan,
+             recorder: TimelineRecorder | None = None) -> GenerationRun:
         backend_id = self._new_request_id()
         set_request_id(backend_id)  # the id the workers see: JSON log lines of router and workers join on it
         # %r: the client's id is arbitrary text (newlines included); it is a label, never a key.
         logger.info("request %r runs as %s", client_request_id[:128], backend_id)
         return GenerationRun(
-            self._backend, self._tokenizer, self.metrics, backend_id, plan, self._clock
+            self._backend, self._tokenizer, self.metrics, backend_id, plan, self._clock, recorder
         )
 
     async def _start_stream(self, run: GenerationRun, req: SamplingFields) -> ResponseStream:
@@ -294,6 +316,13 @@ class RouterService:
         return ResponseStream(
             run.head(), run.prompt_token_ids, run.n, run.num_choices, events, run.aclose
         )
+
+
+def _refused(recorder: TimelineRecorder | None, error: RouterError) -> None:
+    """A request refused before it ran still gets a timeline (one phase: validate)."""
+    if recorder is not None:
+        recorder.failed(error)
+        recorder.finish(finish_reason=None, path=None, prompt_tokens=0, completion_tokens=0, sequences=0)
 
 
 async def _events(

@@ -64,5 +64,8 @@ def test_bench_completes_24_prompts_and_writes_vllm_fields(cluster, tmp_path):
     assert result["backend"] == "openai" and result["request_rate"] == "inf"
     assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"] <= result["p99_e2el_ms"]
     assert result["client_cpu_percent"] > 0
+    # token delivery delay: pdserve sends each token's sample time (the first token's at least)
+    assert "-----Token Delivery Delay (sample -> client)------" in done.stdout
+    assert 0 <= result["median_delivery_ms"] <= result["p99_delivery_ms"] <= result["p99_e2el_ms"]
     assert (tmp_path / "bench.latency_cdf.png").stat().st_size > 0
     assert (tmp_path / "bench.tokens_per_s.png").stat().st_size > 0

@@ -6,6 +6,7 @@ Each test ends with no record left and no block held on either worker."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -84,6 +85,25 @@ def test_a_prefill_walks_its_states_to_sent_and_the_tokens_match_offline(pair, o
     assert isinstance(pair.prefill, Worker)
     assert (status.role, status.state.value, status.in_flight) == ("prefill", "serving", 0)
     assert (status.transfers.count, status.transfers.nbytes, status.transfers.failures) == (1, result.nbytes, 0)
+    _idle(pair)
+
+
+def test_a_prefill_reports_its_queue_and_compute_time_and_when_its_first_token_was_sampled(pair):
+    async def run():
+        t0 = time.time()
+        ticket, outputs = await pair.decode.admit("t", LONG, PARAMS, 60.0)
+        with loop_held(pair.prefill):  # it waits behind a busy engine loop for 0.3 s
+            task = asyncio.create_task(pair.prefill.prefill("t", LONG, PARAMS, pair.target(ticket)))
+            await asyncio.sleep(0.3)
+        result = await asyncio.wait_for(task, 30)
+        await _stream(outputs)
+        return t0, time.time(), result
+
+    t0, t1, result = asyncio.run(run())
+    assert result.queue_s >= 0.25
+    assert result.compute_s > 0
+    assert result.queue_s + result.compute_s <= t1 - t0
+    assert t0 + result.queue_s <= result.first_token_at <= t1
     _idle(pair)
 
 

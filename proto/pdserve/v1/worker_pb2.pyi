@@ -24,20 +24,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ticket_timeout_ms: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., stream_first_token: _Optional[bool] = ...) -> None: ...
 
 class Ticket(_message.Message):
-    __slots__ = ("ticket_id", "decode_worker_id", "decode_address", "num_cached_tokens", "num_blocks", "incarnation")
+    __slots__ = ("ticket_id", "decode_worker_id", "decode_address", "num_cached_tokens", "num_blocks", "incarnation", "first_token_on_stream")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ON_STREAM_FIELD_NUMBER: _ClassVar[int]
     ticket_id: int
     decode_worker_id: str
     decode_address: str
     num_cached_tokens: int
     num_blocks: int
     incarnation: str
-    def __init__(self, ticket_id: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    first_token_on_stream: bool
+    def __init__(self, ticket_id: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., first_token_on_stream: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("ticket", "tokens")

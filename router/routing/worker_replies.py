@@ -1,0 +1,73 @@
+"""Worker replies into the router's terms: DecodeEvents and Prefill replies into TokenDeltas,
+and what they say about the request's path into its BackendTrace."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from proto.pdserve.v1 import worker_pb2
+from router.ops.timeline import TransferSummary
+from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
+from router.serving.trace import BackendTrace
+from router.serving.types import TokenLogprobs
+
+if TYPE_CHECKING:
+    from router.routing.cluster_backend import _Admitted
+
+PATH_DISAGGREGATED = "disaggregated"
+PATH_COLOCATED = "colocated"
+
+
+def _logprobs(msg) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+def stream_delta(event, path: str, route: RouteInfo | None) -> TokenDelta:
+    chunk = event.tokens
+    return TokenDelta(
+        token_ids=tuple(chunk.token_ids),
+        logprobs=tuple(_logprobs(lp) for lp in chunk.logprobs),
+        finish_reason=chunk.finish_reason or None,
+        stop_token_id=chunk.stop_token_id if chunk.stop_token_id >= 0 else None,
+        path=path,
+        route=route,
+        sampled_at=tuple(chunk.sampled_at) if len(chunk.sampled_at) == len(chunk.token_ids) else (),
+    )
+
+
+def reply_delta(reply: worker_pb2.PrefillResponse, ticket: worker_pb2.Ticket) -> TokenDelta:
+    """The Prefill reply's first token (its sample time when the worker reported it)."""
+    sampled = reply.timing.first_token_at if reply.HasField("timing") else 0.0
+    return TokenDelta(
+        token_ids=(reply.first_token_id,),
+        logprobs=(_logprobs(reply.first_logprobs),) if reply.HasField("first_logprobs") else (),
+        num_cached_tokens=max(ticket.num_cached_tokens, reply.num_cached_tokens),
+        path=PATH_DISAGGREGATED,
+        sampled_at=(sampled,) if sampled > 0 else (),
+    )
+
+
+def streams_first_token(request: BackendRequest, local: bool) -> bool:
+    """Ask the decode worker to stream the prefill's first token, except when the decode worker
+    prefills itself (it streams every token anyway) or logprobs are wanted (the data channel
+    carries the first token's id only; its logprobs come with the Prefill reply)."""
+    return not local and request.params.logprobs is None
+
+
+def trace_reserve(trace: BackendTrace, started_at: float, admitted: "_Admitted") -> None:
+    trace.marks["reserve_start"] = started_at  # the attempt that got the ticket
+    trace.mark("ticket")
+    ticket = admitted.ticket
+    trace.reserve.update(decode=admitted.decode_id, num_cached_tokens=ticket.num_cached_tokens,
+                         num_blocks=ticket.num_blocks)
+
+
+def trace_prefill(trace: BackendTrace, worker_id: str, attempt: int, rpc_s: float,
+                   reply: worker_pb2.PrefillResponse, blocks_skipped: int) -> None:
+    trace.prefill.update(worker=worker_id, attempts=attempt, rpc_ms=rpc_s * 1000,
+                         num_cached_tokens=reply.num_cached_tokens)
+    if reply.HasField("timing"):
+        trace.prefill.update(worker_queue_ms=reply.timing.queue_s * 1000,
+                             worker_compute_ms=reply.timing.compute_s * 1000)
+    t = reply.transfer
+    trace.transfer = TransferSummary(t.bytes, t.seconds, t.num_blocks, blocks_skipped, t.backend)
