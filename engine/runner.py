@@ -7,6 +7,7 @@ A plan's block copies (swap out, then swap in) run before its forward pass.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -115,6 +116,7 @@ class ModelRunner:
             return RunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
         out = self.sampler(logits, [self._sampling_row(w) for w in sample_rows])
+        sampled_at = time.time()  # the tokens exist from here (token delivery delay starts)
         return RunnerOutput(
             sampled_token_ids={w.request_id: t for w, t in zip(sample_rows, out.token_ids, strict=True)},
             logprobs={
@@ -122,6 +124,7 @@ class ModelRunner:
                 for w, lp in zip(sample_rows, out.logprobs, strict=True)
                 if lp is not None
             },
+            sampled_at=sampled_at,
         )
 
     def _sampling_row(self, work: ScheduledRequest) -> SamplingRow:

@@ -4,6 +4,7 @@ receiver's queue. One LocalBackend instance links the channels it opens and conn
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 
@@ -27,6 +28,7 @@ class LocalReceiver(KVReceiver):
     def __init__(self, backend: LocalBackend) -> None:
         self._backend = backend
         self._inbox: deque[ReceivedKV] = deque()
+        self._arrived = threading.Event()
         self._closed = False
 
     def open_channel(self) -> ChannelAddress:
@@ -42,16 +44,23 @@ class LocalReceiver(KVReceiver):
 
     def deliver(self, item: ReceivedKV) -> None:
         self._inbox.append(item)
+        self._arrived.set()
 
     def poll(self) -> list[ReceivedKV]:
-        items = list(self._inbox)
-        self._inbox.clear()
+        self._arrived.clear()  # before draining: a delivery after this sets it again
+        items = []
+        while self._inbox:  # popleft: a sender on another thread may append meanwhile
+            items.append(self._inbox.popleft())
         return items
+
+    def wait(self, timeout_s: float) -> None:
+        self._arrived.wait(timeout_s)
 
     def close(self) -> None:
         for address in [a for a, r in self._backend.channels.items() if r is self]:
             del self._backend.channels[address]
         self._closed = True
+        self._arrived.set()
 
 
 class LocalSender(KVSender):

@@ -31,14 +31,17 @@ def dtype_code(dtype: torch.dtype) -> DTypeCode:
     return DTYPE_CODES[dtype]
 
 
-def make_header(ticket_id: int, first_token_id: int, payload: torch.Tensor) -> TransferHeader:
-    """The header describing `payload` (shape as pack_blocks returns it)."""
+def make_header(ticket_id: int, first_token_id: int, payload: torch.Tensor,
+                first_token_at: float | None = None) -> TransferHeader:
+    """The header describing `payload` (shape as pack_blocks returns it). first_token_at:
+    unix time (s) the first token was sampled, carried in microseconds; None: unknown."""
     if payload.dim() != 6 or payload.shape[1] != 2:
         raise ValueError(f"payload must be [layers, 2, blocks, block, heads, dim], got "
                          f"{tuple(payload.shape)}")
     layers, _, blocks, block_size, heads, head_dim = payload.shape
+    at_us = round(first_token_at * 1e6) if first_token_at else 0
     return TransferHeader(ticket_id, first_token_id, layers, blocks, block_size, heads,
-                          head_dim, dtype_code(payload.dtype))
+                          head_dim, dtype_code(payload.dtype), at_us)
 
 
 def empty_payload(header: TransferHeader, device: torch.device | str = "cpu") -> torch.Tensor:

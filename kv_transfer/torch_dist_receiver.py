@@ -46,6 +46,7 @@ class TorchDistReceiver(KVReceiver):
         self._store = wire.host_store(self._config.host, self._config.connect_timeout_s)
         self.host, self.port = self._config.host, self._store.port
         self._inbox: deque[ReceivedKV] = deque()  # appended by channel threads
+        self._arrived = threading.Event()  # set after each append; cleared by poll()
         # Shared by all channels; CPU only (a GPU's caching allocator already reuses memory).
         on_cpu = torch.device(self._config.device).type == "cpu"
         self._pool = RecvBufferPool(self._config.recv_buffer_pool_bytes if on_cpu else 0)
@@ -61,7 +62,7 @@ class TorchDistReceiver(KVReceiver):
         # Set before the address leaves D, so P never waits for it.
         PrefixStore(address.channel_id, self._store).set(wire.NONCE_KEY, nonce)
         self._channels[address.channel_id] = _Channel(self._backend, address, nonce, self._inbox,
-                                                      self._pool)
+                                                      self._pool, self._arrived)
         return address
 
     def close_channel(self, address: ChannelAddress) -> None:
@@ -71,10 +72,14 @@ class TorchDistReceiver(KVReceiver):
             channel.join()
 
     def poll(self) -> list[ReceivedKV]:
+        self._arrived.clear()  # before draining: an append after this sets it again
         items = []
         while self._inbox:
             items.append(self._inbox.popleft())
         return items
+
+    def wait(self, timeout_s: float) -> None:
+        self._arrived.wait(timeout_s)
 
     def recycle(self, payload: torch.Tensor) -> None:
         self._pool.put(payload)
@@ -83,6 +88,7 @@ class TorchDistReceiver(KVReceiver):
         if self._closed:
             return
         self._closed = True
+        self._arrived.set()  # wake a waiter: there is nothing more to wait for
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             channel.stop(self._store)
@@ -95,13 +101,14 @@ class _Channel:
     """One P's channel on D: its thread, and the doorbell sequence number it waits on."""
 
     def __init__(self, backend: TorchDistBackend, address: ChannelAddress, nonce: bytes,
-                 inbox: deque[ReceivedKV], pool: RecvBufferPool) -> None:
+                 inbox: deque[ReceivedKV], pool: RecvBufferPool, arrived: threading.Event) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
         self._nonce = nonce
         self._inbox = inbox
         self._pool = pool
+        self._arrived = arrived
         self._lock = threading.Lock()
         self._seq = 0  # the ring D waits on next; guarded by _lock
         self._stopping = False
@@ -210,10 +217,12 @@ class _Channel:
                                     deadline.elapsed(), error)
             # payload is not pooled again: a timed-out recv may still write into it.
             self._inbox.append(ReceivedKV(header, None, result))
+            self._arrived.set()
             return False
         result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
                                 deadline.elapsed())
         self._inbox.append(ReceivedKV(header, payload, result))
+        self._arrived.set()
         return True
 
 

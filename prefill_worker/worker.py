@@ -348,7 +348,8 @@ class PrefillWorker:
             self._end(record, PrefillState.FAILED, TransferFailed(f"no channel to {target.decode_address}"))
             return
         try:
-            sender.send(make_header(target.ticket_id, first.new_token_ids[0], payload), payload.contiguous())
+            sender.send(make_header(target.ticket_id, first.new_token_ids[0], payload, first.sampled_at),
+                        payload.contiguous())
         except Exception as exc:  # a closed sender, a ticket still outstanding: this request only
             self._end(record, PrefillState.FAILED, TransferFailed(f"could not send ticket {target.ticket_id}: {exc}"))
             return
