@@ -28,6 +28,8 @@ from engine.registry import Registry
 if TYPE_CHECKING:
     import torch
 
+    from kv_transfer.layers import LayerFeed
+
 
 class TransferState(enum.Enum):
     PENDING = "pending"
@@ -207,6 +209,17 @@ class KVSender(ABC):
         outstanding, RuntimeError after close(). A broken channel is not an exception:
         the transfer comes back FAILED from poll().
         """
+
+    streams_layers: bool = False
+    """Whether send_layers works: the KV may go layer by layer while the prefill computes."""
+
+    def send_layers(self, feed: LayerFeed) -> None:
+        """Queue a transfer whose layers the caller puts into `feed` as they are computed,
+        then finishes (or cancels) it. Does not block. The header's first_token_id is the
+        feed's placeholder: D gets the real one from finish(). Raises as send(), and
+        NotImplementedError where streams_layers is False. A cancelled feed comes back FAILED
+        from poll() without breaking the channel."""
+        raise NotImplementedError(f"{type(self).__name__} sends whole payloads only")
 
     @abstractmethod
     def poll(self) -> list[TransferResult]:

@@ -74,6 +74,21 @@ def pack_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> 
     return out
 
 
+def block_index(block_ids: Sequence[int], kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The index tensor pack_layer takes (checked once per transfer, not once per layer).
+    Raises ValueError on block ids out of range or repeated."""
+    shape, _ = _check_caches(kv_caches)
+    return _index(block_ids, shape[1], kv_caches[0].device)
+
+
+def pack_layer(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One layer's share of pack_blocks: a new contiguous [2, len(index), block, heads, dim]
+    copy of the indexed blocks (what a layer feed carries). Does not mutate `cache`."""
+    out = torch.empty((2, len(index), *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+    torch.index_select(_raw(cache), 1, index, out=_raw(out))
+    return out
+
+
 def unpack_blocks(payload: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int]) -> None:
     """Write `payload` (as pack_blocks made it) into `block_ids` of every layer, in place.

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from kv_transfer.base import (
     TransferResult,
     TransferState,
 )
+from kv_transfer.layers import TRAILER_LEN, TrailerStatus
 from kv_transfer.packing import empty_payload
 from kv_transfer.recv_pool import RecvBufferPool
 from kv_transfer import wire
@@ -205,9 +207,15 @@ class _Channel:
             payload = self._pool.take(header)
         else:
             payload = empty_payload(header, device)
+        trailer = torch.empty(TRAILER_LEN, dtype=torch.int64, device=device)
         try:
             if header.payload_nbytes:
-                deadline.wait(group.recv([payload], wire.RANK_P, wire.TAG_PAYLOAD))
+                for layer in range(header.num_layers):  # as P computes them (layers.py)
+                    deadline.wait(group.recv([payload[layer]], wire.RANK_P, wire.TAG_PAYLOAD))
+            deadline.wait(group.recv([trailer], wire.RANK_P, wire.TAG_TRAILER))
+            ticket, status, first_token_id, first_token_at_us = trailer.tolist()
+            if ticket != header.ticket_id:
+                raise RuntimeError(f"trailer names ticket {ticket}, header {header.ticket_id}")
             ack = wire.ack_tensor(header.ticket_id, header.payload_nbytes, device)
             deadline.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
         except Exception as e:  # noqa: BLE001 - gloo/nccl errors fail this ticket
@@ -219,6 +227,14 @@ class _Channel:
             self._inbox.append(ReceivedKV(header, None, result))
             self._arrived.set()
             return False
+        if status != TrailerStatus.COMPLETE:  # P's request ended mid-transfer: nothing to import
+            self._pool.put(payload)
+            result = TransferResult(header.ticket_id, TransferState.FAILED, 0, deadline.elapsed(),
+                                    f"the prefill worker cancelled ticket {header.ticket_id} mid-transfer")
+            self._inbox.append(ReceivedKV(header, None, result))
+            self._arrived.set()
+            return True
+        header = replace(header, first_token_id=first_token_id, first_token_at_us=first_token_at_us)
         result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
                                 deadline.elapsed())
         self._inbox.append(ReceivedKV(header, payload, result))

@@ -2,9 +2,10 @@
 
 Lifecycle: connect() starts the channel thread, which joins D's group (rank 0) and then
 drains the queue, one transfer at a time: PENDING (queued) -> IN_FLIGHT (on the wire) ->
-DONE (D acknowledged) | FAILED. The first failure breaks the channel for good (a timed-out
+DONE (D acknowledged) | FAILED. The first wire failure breaks the channel for good (a timed-out
 gloo operation poisons its group): later transfers FAIL at once with the same reason, and the
-caller gets a fresh channel from D.
+caller gets a fresh channel from D. A layer feed that its producer cancels FAILS only its own
+transfer: the missing layers go as zeros under a CANCELLED trailer, so the channel stays in step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kv_transfer.base import (
     TransferResult,
     TransferState,
 )
-from kv_transfer.packing import check_payload
+from kv_transfer.layers import FeedCancelled, LayerFeed, TrailerStatus
+from kv_transfer.packing import TORCH_DTYPES, check_payload
 from kv_transfer import wire
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ class TorchDistSender(KVSender):
         self._backend = backend
         self._config = backend.config
         self.address = address
-        self._queue: queue.SimpleQueue[tuple[TransferHeader, torch.Tensor] | None] = (
+        self._queue: queue.SimpleQueue[tuple[TransferHeader, torch.Tensor | LayerFeed] | None] = (
             queue.SimpleQueue())
         self._lock = threading.Lock()
         self._states: dict[int, TransferState] = {}  # guarded by _lock
@@ -57,11 +59,21 @@ class TorchDistSender(KVSender):
             raise RuntimeError(f"sender to {self._where()} is closed")
         check_payload(header, payload)
         self._backend.check_device(payload)
+        self._enqueue(header, payload)
+
+    streams_layers = True
+
+    def send_layers(self, feed: LayerFeed) -> None:
+        if self._closing:
+            raise RuntimeError(f"sender to {self._where()} is closed")
+        self._enqueue(feed.header, feed)
+
+    def _enqueue(self, header: TransferHeader, source: torch.Tensor | LayerFeed) -> None:
         with self._lock:
             if header.ticket_id in self._states:
                 raise ValueError(f"ticket {header.ticket_id} is already outstanding")
             self._states[header.ticket_id] = TransferState.PENDING
-        self._queue.put((header, payload))
+        self._queue.put((header, source))
 
     def poll(self) -> list[TransferResult]:
         with self._lock:
@@ -128,17 +140,24 @@ class TorchDistSender(KVSender):
         del group  # drops the sockets: a peer still in an operation fails at once
 
     def _transfer(self, store: Store, group: ProcessGroup, seq: int, header: TransferHeader,
-                  payload: torch.Tensor) -> None:
+                  source: torch.Tensor | LayerFeed) -> None:
         deadline = wire.Deadline(self._config.timeout_s)
         nbytes = header.payload_nbytes
+        device = source.device if isinstance(source, torch.Tensor) else torch.device(self._config.device)
+        cancelled = None
         try:
             store.set(wire.ring_key(seq), wire.XFER)
             deadline.wait(group.send(
-                [wire.header_tensor(header.to_ints(), payload.device)], wire.RANK_D,
+                [wire.header_tensor(header.to_ints(), device)], wire.RANK_D,
                 wire.TAG_HEADER))
+            # A feed waits on the prefill's compute for at most half the budget: the rest
+            # keeps the wire (and D's recv, bounded by the same timeout) in step after it.
+            feed_budget = wire.Deadline(self._config.timeout_s / 2)
             if nbytes:
-                deadline.wait(group.send([payload], wire.RANK_D, wire.TAG_PAYLOAD))
-            ack = torch.empty(2, dtype=torch.int64, device=payload.device)
+                cancelled = self._send_layers(group, header, source, deadline, feed_budget, device)
+            trailer = _trailer(header, source, cancelled, feed_budget)
+            deadline.wait(group.send([wire.header_tensor(trailer, device)], wire.RANK_D, wire.TAG_TRAILER))
+            ack = torch.empty(2, dtype=torch.int64, device=device)
             deadline.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
             if tuple(ack.tolist()) != (header.ticket_id, nbytes):
                 raise RuntimeError(f"D acknowledged {tuple(ack.tolist())}, expected "
@@ -149,7 +168,29 @@ class TorchDistSender(KVSender):
             self._break(error)
             self._finish(header, 0, deadline.elapsed(), error)
             return
+        if cancelled is not None:  # only this transfer fails; the channel is in step
+            self._finish(header, 0, deadline.elapsed(), f"ticket {header.ticket_id} cancelled: {cancelled}")
+            return
         self._finish(header, nbytes, deadline.elapsed(), None)
+
+    @staticmethod
+    def _send_layers(group: ProcessGroup, header: TransferHeader, source: torch.Tensor | LayerFeed,
+                     deadline: wire.Deadline, feed_budget: wire.Deadline, device: torch.device) -> str | None:
+        """Every layer in turn, each as soon as it exists; None, or why the feed was cancelled
+        (the layers it lacks then go as zeros)."""
+        cancelled = None
+        for layer in range(header.num_layers):
+            if isinstance(source, torch.Tensor):
+                kv = source[layer]  # a contiguous view
+            elif cancelled is None:
+                try:
+                    kv = source.get(layer, feed_budget.left())
+                except FeedCancelled as e:
+                    cancelled = str(e)
+            if cancelled is not None:
+                kv = torch.zeros(header.payload_shape[1:], dtype=TORCH_DTYPES[header.dtype], device=device)
+            deadline.wait(group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD))
+        return cancelled
 
     def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None) -> None:
         state = TransferState.FAILED if error is not None else TransferState.DONE
@@ -165,3 +206,18 @@ class TorchDistSender(KVSender):
     def _where(self) -> str:
         a = self.address
         return f"{a.host}:{a.port}/{a.channel_id}"
+
+
+def _trailer(header: TransferHeader, source: torch.Tensor | LayerFeed, cancelled: str | None,
+             deadline: wire.Deadline) -> tuple[int, ...]:
+    """(ticket_id, status, first_token_id, first_token_at_us): a feed's first token comes last."""
+    if cancelled is None and isinstance(source, LayerFeed):
+        try:
+            token, at_us = source.trailer(deadline.left())
+            return (header.ticket_id, TrailerStatus.COMPLETE, token, at_us)
+        except FeedCancelled as e:
+            cancelled = str(e)
+    if cancelled is not None:
+        return (header.ticket_id, TrailerStatus.CANCELLED, 0, 0)
+    return (header.ticket_id, TrailerStatus.COMPLETE, header.first_token_id, header.first_token_at_us)
+
