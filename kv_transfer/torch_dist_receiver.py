@@ -210,8 +210,12 @@ class _Channel:
         trailer = torch.empty(TRAILER_LEN, dtype=torch.int64, device=device)
         try:
             if header.payload_nbytes:
-                for layer in range(header.num_layers):  # as P computes them (layers.py)
-                    deadline.wait(group.recv([payload[layer]], wire.RANK_P, wire.TAG_PAYLOAD))
+                # All posted at once (in order: gloo matches them to P's sends in order); each
+                # layer lands as P computes it (layers.py).
+                posted = [group.recv([payload[layer]], wire.RANK_P, wire.TAG_PAYLOAD)
+                          for layer in range(header.num_layers)]
+                for work in posted:
+                    deadline.wait(work)
             deadline.wait(group.recv([trailer], wire.RANK_P, wire.TAG_TRAILER))
             ticket, status, first_token_id, first_token_at_us = trailer.tolist()
             if ticket != header.ticket_id:

@@ -176,9 +176,10 @@ class TorchDistSender(KVSender):
     @staticmethod
     def _send_layers(group: ProcessGroup, header: TransferHeader, source: torch.Tensor | LayerFeed,
                      deadline: wire.Deadline, feed_budget: wire.Deadline, device: torch.device) -> str | None:
-        """Every layer in turn, each as soon as it exists; None, or why the feed was cancelled
-        (the layers it lacks then go as zeros)."""
-        cancelled = None
+        """Every layer in turn, each posted as soon as it exists (sends overlap each other and
+        the wait for the next layer); None, or why the feed was cancelled (the layers it lacks
+        then go as zeros)."""
+        cancelled, posted = None, []  # posted: (work, tensor): the tensor lives until sent
         for layer in range(header.num_layers):
             if isinstance(source, torch.Tensor):
                 kv = source[layer]  # a contiguous view
@@ -189,7 +190,9 @@ class TorchDistSender(KVSender):
                     cancelled = str(e)
             if cancelled is not None:
                 kv = torch.zeros(header.payload_shape[1:], dtype=TORCH_DTYPES[header.dtype], device=device)
-            deadline.wait(group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD))
+            posted.append((group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD), kv))
+        for work, _ in posted:
+            deadline.wait(work)
         return cancelled
 
     def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None) -> None:
