@@ -63,7 +63,11 @@ class LayerStreams:
 
         def layer_done(layer: int) -> None:
             for feed, index in opened:
-                feed.put(layer, pack_layer(caches[layer], index))
+                try:
+                    feed.put(layer, pack_layer(caches[layer], index))
+                except Exception as exc:  # this request's stream only; the step goes on
+                    logger.exception("copying layer %d into ticket %d's feed failed", layer, feed.header.ticket_id)
+                    feed.cancel(f"copying layer {layer} failed: {exc}")
 
         return layer_done
 
