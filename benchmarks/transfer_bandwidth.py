@@ -11,7 +11,7 @@ Method (printed with the results too):
   default model's (read from its GGUF), float32, blocks of EngineConfig().block_size tokens.
   Per prompt size, P packs that many tokens' blocks (scattered block ids) out of a cache with
   `pack_blocks` and sends them through `GlooBackend` (doorbell in D's TCPStore, header,
-  payload, ack). Between the same two processes, in the same run, a plain ProcessGroupGloo
+  payload as one frame per layer, trailer, ack). Between the same two processes, in the same run, a plain ProcessGroupGloo
   (its own TCPStore rendezvous on a free port) sends one float32 tensor of the same bytes.
   raw: from P's send() to D's recv().wait() returning, with D's recv posted beforehand into
   a buffer it has already touched (CLOCK_MONOTONIC is shared by both processes).
@@ -515,8 +515,8 @@ def method_lines(args, loads: list[str]) -> list[str]:
     return [
         f"transfer: median of {args.repeat} runs per size after 1 warm-up; D in a spawned child, P in "
         "this process, 127.0.0.1. ours = GlooBackend, P's TransferResult.seconds (doorbell in D's "
-        "TCPStore, header, payload, ack; D recycles each payload after poll() into its receive "
-        "buffer pool, as a decode worker does after importing the blocks); raw = one plain "
+        "TCPStore, header, the payload as one frame per layer, trailer, ack; D recycles each payload "
+        "after poll() into its receive buffer pool, as a decode worker does after importing the blocks); raw = one plain "
         "ProcessGroupGloo send of a float32 tensor of the same bytes between the same processes, "
         "from P's send() to D's recv().wait() (posted beforehand, buffer touched once and reused); "
         "'raw, fresh buffer' receives into a new torch.empty each time (what our receiver does "
