@@ -69,12 +69,14 @@ class LayerFeed:
                 self._cond.notify_all()
 
     def finish(self, first_token_id: int, first_token_at: float | None) -> None:
-        """Every layer is in; the first token (unix time it was sampled, None: unknown)."""
+        """Every layer is in; the first token (unix time it was sampled, None: unknown).
+        A no-op once cancelled."""
         at_us = round(first_token_at * 1e6) if first_token_at else 0
         with self._cond:
-            self.finished_at = time.perf_counter()
-            self._first = (first_token_id, at_us)
-            self._cond.notify_all()
+            if self._cancelled is None:
+                self.finished_at = time.perf_counter()
+                self._first = (first_token_id, at_us)
+                self._cond.notify_all()
 
     def cancel(self, reason: str) -> None:
         """The request ended: nothing more will be put. Idempotent; a no-op after finish()."""
