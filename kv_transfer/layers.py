@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import TransferHeader
@@ -51,10 +50,6 @@ class LayerFeed:
         self._layers: dict[int, torch.Tensor] = {}  # guarded by _cond; popped once sent
         self._first: tuple[int, int] | None = None  # (first_token_id, first_token_at_us)
         self._cancelled: str | None = None
-        self.first_put_at: float | None = None
-        """perf_counter() of the first put (the benchmark's overlap: compute vs wire)."""
-        self.finished_at: float | None = None
-        """perf_counter() of finish(): the end of the prefill's compute."""
 
     # ------------------------------------------------------------- producer
     def put(self, layer: int, kv: torch.Tensor) -> None:
@@ -64,7 +59,6 @@ class LayerFeed:
             raise ValueError(f"layer {layer} out of range for {self.header.num_layers} layers")
         with self._cond:
             if self._cancelled is None:
-                self.first_put_at = self.first_put_at or time.perf_counter()
                 self._layers[layer] = kv
                 self._cond.notify_all()
 
@@ -74,7 +68,6 @@ class LayerFeed:
         at_us = round(first_token_at * 1e6) if first_token_at else 0
         with self._cond:
             if self._cancelled is None:
-                self.finished_at = time.perf_counter()
                 self._first = (first_token_id, at_us)
                 self._cond.notify_all()
 
