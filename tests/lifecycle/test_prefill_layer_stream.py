@@ -111,7 +111,7 @@ def test_a_step_failing_mid_stream_fails_the_prefill_and_a_retry_fills_the_same_
                 await pair.prefill.prefill("r", P, PARAMS, pair.target(ticket))
             assert await asyncio.to_thread(wait_until, lambda: pair.decode.status().transfers.failures == 1, 10)
             assert (record.state, pair.decode.in_flight) == (S.TICKETED, 1)
-            assert pair.decode.status().core.reserved_blocks == 5
+            assert await asyncio.to_thread(wait_until, lambda: pair.decode.status().core.reserved_blocks == 5, 5)
             first = await pair.prefill.prefill("r", P, PARAMS, pair.target(ticket))  # the retry
             tokens = [first.first_token_id]
             while True:
