@@ -211,17 +211,19 @@ class _Channel:
         try:
             if header.payload_nbytes:
                 # All posted at once (in order: gloo matches them to P's sends in order); each
-                # layer lands as P computes it (layers.py).
+                # layer lands as P computes it (layers.py), so each is bounded on its own:
+                # within timeout_s of the one before.
                 posted = [group.recv([payload[layer]], wire.RANK_P, wire.TAG_PAYLOAD)
                           for layer in range(header.num_layers)]
                 for work in posted:
-                    deadline.wait(work)
-            deadline.wait(group.recv([trailer], wire.RANK_P, wire.TAG_TRAILER))
+                    wire.Deadline(self._config.timeout_s).wait(work)
+            rest = wire.Deadline(self._config.timeout_s)  # trailer and ack (P bounds its own waits)
+            rest.wait(group.recv([trailer], wire.RANK_P, wire.TAG_TRAILER))
             ticket, status, first_token_id, first_token_at_us = trailer.tolist()
             if ticket != header.ticket_id:
                 raise RuntimeError(f"trailer names ticket {ticket}, header {header.ticket_id}")
             ack = wire.ack_tensor(header.ticket_id, header.payload_nbytes, device)
-            deadline.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
+            rest.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
         except Exception as e:  # noqa: BLE001 - gloo/nccl errors fail this ticket
             error = (f"receiving ticket {header.ticket_id} on channel {self.address.channel_id} "
                      f"failed after {deadline.elapsed():.2f}s: {e}")

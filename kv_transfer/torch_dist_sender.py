@@ -141,59 +141,60 @@ class TorchDistSender(KVSender):
 
     def _transfer(self, store: Store, group: ProcessGroup, seq: int, header: TransferHeader,
                   source: torch.Tensor | LayerFeed) -> None:
-        deadline = wire.Deadline(self._config.timeout_s)
+        """Budgets: timeout_s for the header; a feed's layers and first token each within
+        timeout_s / 2 of the one before (the prefill computes meanwhile: a step may take longer
+        than timeout_s in all, a layer never should; D's recvs are bounded per layer alike);
+        then timeout_s for the rest of the wire once every byte exists."""
+        started = wire.Deadline(self._config.timeout_s)
         nbytes = header.payload_nbytes
         device = source.device if isinstance(source, torch.Tensor) else torch.device(self._config.device)
         cancelled = None
         try:
             store.set(wire.ring_key(seq), wire.XFER)
-            deadline.wait(group.send(
+            started.wait(group.send(
                 [wire.header_tensor(header.to_ints(), device)], wire.RANK_D,
                 wire.TAG_HEADER))
-            # A feed waits on the prefill's compute for at most half the budget: the rest
-            # keeps the wire (and D's recv, bounded by the same timeout) in step after it.
-            feed_budget = wire.Deadline(self._config.timeout_s / 2)
-            if nbytes:
-                cancelled = self._send_layers(group, header, source, deadline, feed_budget, device)
-            trailer = _trailer(header, source, cancelled, feed_budget)
-            deadline.wait(group.send([wire.header_tensor(trailer, device)], wire.RANK_D, wire.TAG_TRAILER))
+            posted, cancelled = self._post_layers(group, header, source, device) if nbytes else ([], None)
+            trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
+            rest = wire.Deadline(self._config.timeout_s)
+            for work, _ in posted:
+                rest.wait(work)
+            rest.wait(group.send([wire.header_tensor(trailer, device)], wire.RANK_D, wire.TAG_TRAILER))
             ack = torch.empty(2, dtype=torch.int64, device=device)
-            deadline.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
+            rest.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
             if tuple(ack.tolist()) != (header.ticket_id, nbytes):
                 raise RuntimeError(f"D acknowledged {tuple(ack.tolist())}, expected "
                                    f"{(header.ticket_id, nbytes)}")
         except Exception as e:  # noqa: BLE001 - gloo/nccl/store errors all fail the transfer
             error = (f"transfer of ticket {header.ticket_id} ({nbytes} bytes) to "
-                     f"{self._where()} failed after {deadline.elapsed():.2f}s: {e}")
+                     f"{self._where()} failed after {started.elapsed():.2f}s: {e}")
             self._break(error)
-            self._finish(header, 0, deadline.elapsed(), error)
+            self._finish(header, 0, started.elapsed(), error)
             return
         if cancelled is not None:  # only this transfer fails; the channel is in step
-            self._finish(header, 0, deadline.elapsed(), f"ticket {header.ticket_id} cancelled: {cancelled}")
+            self._finish(header, 0, started.elapsed(), f"ticket {header.ticket_id} cancelled: {cancelled}")
             return
-        self._finish(header, nbytes, deadline.elapsed(), None)
+        self._finish(header, nbytes, started.elapsed(), None)
 
-    @staticmethod
-    def _send_layers(group: ProcessGroup, header: TransferHeader, source: torch.Tensor | LayerFeed,
-                     deadline: wire.Deadline, feed_budget: wire.Deadline, device: torch.device) -> str | None:
-        """Every layer in turn, each posted as soon as it exists (sends overlap each other and
-        the wait for the next layer); None, or why the feed was cancelled (the layers it lacks
-        then go as zeros)."""
-        cancelled, posted = None, []  # posted: (work, tensor): the tensor lives until sent
+    def _post_layers(self, group: ProcessGroup, header: TransferHeader, source: torch.Tensor | LayerFeed,
+                     device: torch.device) -> tuple[list, str | None]:
+        """Post every layer's send in turn, each as soon as it exists (sends overlap each other
+        and the wait for the next layer). Returns the posted (work, tensor) pairs (the tensor
+        must live until its send completes) and None, or why the feed was cancelled (the
+        layers it lacks then go as zeros)."""
+        cancelled, posted = None, []
         for layer in range(header.num_layers):
             if isinstance(source, torch.Tensor):
                 kv = source[layer]  # a contiguous view
             elif cancelled is None:
                 try:
-                    kv = source.get(layer, feed_budget.left())
+                    kv = source.get(layer, self._config.timeout_s / 2)
                 except FeedCancelled as e:
                     cancelled = str(e)
             if cancelled is not None:
                 kv = torch.zeros(header.payload_shape[1:], dtype=TORCH_DTYPES[header.dtype], device=device)
             posted.append((group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD), kv))
-        for work, _ in posted:
-            deadline.wait(work)
-        return cancelled
+        return posted, cancelled
 
     def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None) -> None:
         state = TransferState.FAILED if error is not None else TransferState.DONE
@@ -212,11 +213,11 @@ class TorchDistSender(KVSender):
 
 
 def _trailer(header: TransferHeader, source: torch.Tensor | LayerFeed, cancelled: str | None,
-             deadline: wire.Deadline) -> tuple[int, ...]:
+             wait_s: float) -> tuple[int, ...]:
     """(ticket_id, status, first_token_id, first_token_at_us): a feed's first token comes last."""
     if cancelled is None and isinstance(source, LayerFeed):
         try:
-            token, at_us = source.trailer(deadline.left())
+            token, at_us = source.trailer(wait_s)
             return (header.ticket_id, TrailerStatus.COMPLETE, token, at_us)
         except FeedCancelled as e:
             cancelled = str(e)

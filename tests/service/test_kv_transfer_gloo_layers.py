@@ -36,6 +36,7 @@ def _produce(feed: LayerFeed, whole: torch.Tensor, layers: int, finish: bool, ga
         for layer in range(layers):
             time.sleep(gap_s)
             feed.put(layer, whole[layer].clone())
+        time.sleep(gap_s)  # the sampler
         if finish:
             feed.finish(4242, 1_790_000_000.25)
         else:
@@ -97,3 +98,19 @@ def test_a_feed_the_producer_abandons_fails_within_the_timeout_and_the_channel_l
     assert [(r.ticket_id, r.state) for r in results] == [(10, TransferState.FAILED), (11, TransferState.DONE)]
     assert results[0].error.startswith("ticket 10 cancelled: layer 0 not computed within ")
 
+
+
+def test_a_prefill_longer_than_the_timeout_streams_whole_when_each_layer_comes_in_time(receiver):
+    whole = payload(7, blocks=2)  # 2 layers and the first token, 0.45 s apart: 1.35 s > timeout 1 s
+    sender = gloo(timeout_s=1.0).connect(receiver.open_channel())
+    try:
+        feed = _feed(12, whole)
+        sender.send_layers(feed)
+        _produce(feed, whole, whole.shape[0], finish=True, gap_s=0.45).join(10)
+        (got,) = drain(receiver.poll, 1, limit_s=15)
+        (result,) = drain(sender.poll, 1, limit_s=15)
+    finally:
+        sender.close()
+    assert (result.state, got.result.state, got.header.first_token_id) == (
+        TransferState.DONE, TransferState.DONE, 4242)
+    assert torch.equal(got.payload, whole) and result.seconds > 1.0
