@@ -2,6 +2,7 @@
 cores) on this machine, under steady short chats with and without bursts of long prompts.
 
     .venv/bin/python benchmarks/disagg_vs_colocated.py [--quick] [--dtype auto|bfloat16|float32]
+                        [--repeat 3] [--setups disaggregated,colocated,...]
                         [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--no-results]
 
 Method (printed with the results too):
@@ -15,6 +16,9 @@ Method (printed with the results too):
   short chats at a fixed Poisson rate; "bursts" = the same stream (other prompts: another
   seed) with a second `pdserve bench` process sending ~2k-token prompts in gamma bursts
   (burstiness < 1) over the same period. Both setups get the same prompts and send times.
+  Each setup runs both phases --repeat times (other seeds each round, the same in every setup),
+  so one noisy run cannot decide: tables give the median and the spread (min / median / max),
+  and the ITL ratio is taken per round (bursts_i / steady_i).
 - Reported for the short-chat stream: decode ITL p99 (gaps between streamed tokens), TTFT
   p99, and goodput = requests/s that met the SLO (TTFT <= --slo-ttft-ms and TPOT <=
   --slo-tpot-ms, vLLM's --goodput) over the phase; for the bursts: their TTFT p99.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -147,30 +152,41 @@ class Phases:
     bursts_long: dict
 
 
-def run_setup(procs: Processes, server: Server, load: Load, slo: tuple[float, float]) -> Phases:
-    """Warm-up (a long and a short prompt: first packing, first KV channel), then the phases."""
+def run_setup(procs: Processes, server: Server, load: Load, slo: tuple[float, float], repeat: int) -> list[Phases]:
+    """Warm-up (a long and a short prompt: first packing, first KV channel), then `repeat`
+    rounds of the phases."""
     out, url, name = procs.workdir, server.base_url, server.label
     for kind, length, seed in (("long", load.long_in, 900), ("short", load.short_in, 901)):
         warm = ("--dataset-name", "random", "--random-input-len", str(length), "--random-output-len", "4",
                 "--num-prompts", "2", "--seed", str(seed))  # sent at once; only their side effects matter
         run_bench(procs, f"{name}-warmup-{kind}", url, (*COMMON, *warm), out, BENCH_TIMEOUT_S)
+    return [run_round(procs, server, load, slo, r) for r in range(repeat)]
+
+
+def run_round(procs: Processes, server: Server, load: Load, slo: tuple[float, float], r: int) -> Phases:
+    out, url, name, seed = procs.workdir, server.base_url, f"{server.label}-r{r}", 10 * r
     print(f"  {name}: steady short chats ...", flush=True)
-    steady = run_bench(procs, f"{name}-steady", url, (*COMMON, *short_flags(load, 1, slo)), out, BENCH_TIMEOUT_S)
+    steady = run_bench(procs, f"{name}-steady", url, (*COMMON, *short_flags(load, seed + 1, slo)), out,
+                       BENCH_TIMEOUT_S)
     print(f"  {name}: short chats with bursts of long prompts ...", flush=True)
-    short = start_bench(procs, f"{name}-bursts-short", url, (*COMMON, *short_flags(load, 2, slo)), out)
+    short = start_bench(procs, f"{name}-bursts-short", url, (*COMMON, *short_flags(load, seed + 2, slo)), out)
     time.sleep(BURST_DELAY_S)
-    long = start_bench(procs, f"{name}-bursts-long", url, (*COMMON, *long_flags(load, 3)), out)
-    return Phases(steady, finish_bench(procs, short, BENCH_TIMEOUT_S), finish_bench(procs, long, BENCH_TIMEOUT_S))
+    long = start_bench(procs, f"{name}-bursts-long", url, (*COMMON, *long_flags(load, seed + 3)), out)
+    phases = Phases(steady, finish_bench(procs, short, BENCH_TIMEOUT_S), finish_bench(procs, long, BENCH_TIMEOUT_S))
+    print(f"  {name}: ITL p99 steady {value(steady, 'p99_itl_ms'):.1f} ms, with bursts "
+          f"{value(phases.bursts_short, 'p99_itl_ms'):.1f} ms", flush=True)
+    return phases
 
 
-def measure(layout: Layout, load: Load, slo: tuple[float, float], engine_flags: list[str], workdir: Path) -> Phases:
+def measure(layout: Layout, load: Load, slo: tuple[float, float], engine_flags: list[str], workdir: Path,
+            repeat: int) -> list[Phases]:
     """One setup from start to stop: its own Redis, workers, router and bench processes."""
     from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets
 
     with EmbeddedRedis() as redis, Processes(workdir) as procs:
         share_cluster_secrets(redis)
         server = start_setup(procs, layout, redis.url, engine_flags)
-        return run_setup(procs, server, load, slo)
+        return run_setup(procs, server, load, slo, repeat)
 
 
 # ------------------------------------------------------------------ report
@@ -183,39 +199,60 @@ def quotient(a: float, b: float) -> float:
     return a / b if b else (math.inf if a else math.nan)
 
 
-def rows(results: dict[str, Phases]) -> tuple[list[str], list[list[object]]]:
-    headers = ["setup", "ITL p99 steady ms", "ITL p99 bursts ms", "ITL bursts/steady", "TTFT p99 steady ms",
-               "TTFT p99 bursts ms", "long TTFT p99 ms", "goodput steady req/s", "goodput bursts req/s",
-               "failed (steady/short/long)"]
+def med(rounds: list[Phases], phase: str, field: str) -> float:
+    return statistics.median(value(getattr(p, phase), field) for p in rounds)
+
+
+def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
+    """min / median / max."""
+    return " / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
+
+
+def itl_ratios(rounds: list[Phases]) -> list[float]:
+    """ITL p99 with bursts / steady, per round."""
+    return [quotient(value(p.bursts_short, "p99_itl_ms"), value(p.steady, "p99_itl_ms")) for p in rounds]
+
+
+def rows(results: dict[str, list[Phases]]) -> tuple[list[str], list[list[object]]]:
+    headers = ["setup", "rounds", "ITL p99 steady ms (min/med/max)", "ITL p99 bursts ms (min/med/max)",
+               "ITL bursts/steady per round (min/med/max)", "TTFT p99 steady ms", "TTFT p99 bursts ms",
+               "long TTFT p99 ms", "goodput steady req/s", "goodput bursts req/s", "failed (steady/short/long)"]
     table = []
-    for name, p in results.items():
-        itl_a, itl_b = value(p.steady, "p99_itl_ms"), value(p.bursts_short, "p99_itl_ms")
-        table.append([name, f"{itl_a:.1f}", f"{itl_b:.1f}", f"{quotient(itl_b, itl_a):.2f}x",
-                      f"{value(p.steady, 'p99_ttft_ms'):.1f}", f"{value(p.bursts_short, 'p99_ttft_ms'):.1f}",
-                      f"{value(p.bursts_long, 'p99_ttft_ms'):.1f}", f"{value(p.steady, 'request_goodput'):.2f}",
-                      f"{value(p.bursts_short, 'request_goodput'):.2f}",
-                      f"{p.steady['failed']}/{p.bursts_short['failed']}/{p.bursts_long['failed']}"])
+    for name, rounds in results.items():
+        failed = [sum(p.steady["failed"] for p in rounds), sum(p.bursts_short["failed"] for p in rounds),
+                  sum(p.bursts_long["failed"] for p in rounds)]
+        table.append([name, len(rounds), spread([value(p.steady, "p99_itl_ms") for p in rounds]),
+                      spread([value(p.bursts_short, "p99_itl_ms") for p in rounds]),
+                      spread(itl_ratios(rounds), "{:.2f}x"),
+                      f"{med(rounds, 'steady', 'p99_ttft_ms'):.1f}", f"{med(rounds, 'bursts_short', 'p99_ttft_ms'):.1f}",
+                      f"{med(rounds, 'bursts_long', 'p99_ttft_ms'):.1f}",
+                      f"{med(rounds, 'steady', 'request_goodput'):.2f}",
+                      f"{med(rounds, 'bursts_short', 'request_goodput'):.2f}", "/".join(map(str, failed))])
     return headers, table
 
 
-def goal_lines(results: dict[str, Phases]) -> list[str]:
-    col = results["colocated"]
-    col_itl = quotient(value(col.bursts_short, "p99_itl_ms"), value(col.steady, "p99_itl_ms"))
+def goal_lines(results: dict[str, list[Phases]]) -> list[str]:
+    col = results.get("colocated")
     met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
     lines = []
     for name in (n for n in results if n.startswith("disaggregated")):
         dis = results[name]
-        itl = quotient(value(dis.bursts_short, "p99_itl_ms"), value(dis.steady, "p99_itl_ms"))
-        good = quotient(value(dis.bursts_short, "request_goodput"), value(col.bursts_short, "request_goodput"))
+        ratios = itl_ratios(dis)
+        itl = statistics.median(ratios)
+        col_itl = f"{statistics.median(itl_ratios(col)):.2f}x" if col else "not run"
+        lines.append(f"- goal {name} ITL p99 with bursts <= {ITL_GOAL}x steady: median {itl:.2f}x over "
+                     f"{len(ratios)} rounds (min/med/max {spread(ratios, '{:.2f}x')}) -> {met(itl <= ITL_GOAL)} "
+                     f"(colocated: {col_itl})")
+        if col is None:
+            continue
+        good = quotient(med(dis, "bursts_short", "request_goodput"), med(col, "bursts_short", "request_goodput"))
         lines += [
-            f"- goal {name} ITL p99 with bursts <= {ITL_GOAL}x steady: {itl:.2f}x -> {met(itl <= ITL_GOAL)} "
-            f"(colocated: {col_itl:.2f}x)",
             f"- goal goodput with bursts {name} >= {GOODPUT_GOAL}x colocated: {good:.2f}x -> "
-            f"{met(good >= GOODPUT_GOAL)}",
+            f"{met(good >= GOODPUT_GOAL)} (medians)",
             f"- {name}: steady goodput / colocated "
-            f"{quotient(value(dis.steady, 'request_goodput'), value(col.steady, 'request_goodput')):.2f}x; "
-            f"short-chat output tok/s with bursts {value(dis.bursts_short, 'output_throughput'):.1f} "
-            f"(colocated {value(col.bursts_short, 'output_throughput'):.1f})",
+            f"{quotient(med(dis, 'steady', 'request_goodput'), med(col, 'steady', 'request_goodput')):.2f}x; "
+            f"short-chat output tok/s with bursts {med(dis, 'bursts_short', 'output_throughput'):.1f} "
+            f"(colocated {med(col, 'bursts_short', 'output_throughput'):.1f})",
         ]
     return lines
 
@@ -240,6 +277,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of both phases per setup (spread reported)")
+    parser.add_argument("--setups", default="", help="comma-separated subset of the setups to run (default: all)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
@@ -250,7 +289,15 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-disagg-vs-colocated-"))
     print(f"work dir (logs, bench JSON): {workdir}", flush=True)
     all_layouts = layouts()
-    results = {lay.name: measure(lay, load, slo, engine_flags, workdir) for lay in all_layouts}
+    if args.setups:
+        wanted = set(args.setups.split(","))
+        unknown = wanted - {lay.name for lay in all_layouts}
+        if unknown:
+            parser.error(f"unknown setups {sorted(unknown)}; known: {[lay.name for lay in all_layouts]}")
+        all_layouts = [lay for lay in all_layouts if lay.name in wanted]
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    results = {lay.name: measure(lay, load, slo, engine_flags, workdir, args.repeat) for lay in all_layouts}
 
     headers, table = rows(results)
     goals, method = goal_lines(results), method_lines(load, slo, engine_flags, all_layouts)

@@ -1,6 +1,7 @@
 """KV transfer bandwidth of our gloo data plane vs raw gloo, and TTFT disaggregated vs colocated.
 
     .venv/bin/python benchmarks/transfer_bandwidth.py [--sizes 1024,4096,16384] [--repeat 3]
+                                                      [--overlap-sizes 1024,4096]
                                                       [--skip-ttft] [--no-results]
 
 Method (printed with the results too):
@@ -10,7 +11,7 @@ Method (printed with the results too):
   default model's (read from its GGUF), float32, blocks of EngineConfig().block_size tokens.
   Per prompt size, P packs that many tokens' blocks (scattered block ids) out of a cache with
   `pack_blocks` and sends them through `GlooBackend` (doorbell in D's TCPStore, header,
-  payload, ack). Between the same two processes, in the same run, a plain ProcessGroupGloo
+  payload as one frame per layer, trailer, ack). Between the same two processes, in the same run, a plain ProcessGroupGloo
   (its own TCPStore rendezvous on a free port) sends one float32 tensor of the same bytes.
   raw: from P's send() to D's recv().wait() returning, with D's recv posted beforehand into
   a buffer it has already touched (CLOCK_MONOTONIC is shared by both processes).
@@ -18,6 +19,9 @@ Method (printed with the results too):
   -> payload -> D's ack back at P; D recycles each payload once polled, as a decode worker
   does after importing its blocks. Every repeat does ours, raw and raw into a fresh buffer
   back to back; the tables show medians.
+- overlap: with the same D child and channel, a real prefill (default model, float32) per prompt
+  size, its KV sent one-shot after the first token and layer by layer during the forward pass;
+  the share of the transfer hidden behind the prefill's compute (benchmarks/transfer_overlap.py).
 - TTFT: `pdserve up` (disaggregated: 1 prefill + 1 decode worker; colocated: 1 worker), one
   cluster at a time; streaming POST /v1/completions with token-id prompts, max_tokens 8,
   temperature 0, ignore_eos; TTFT = request sent -> first chunk with a choice. One warm-up
@@ -50,6 +54,7 @@ import torch  # noqa: E402
 from torch.distributed import ProcessGroupGloo, TCPStore  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, run_header, text_table  # noqa: E402
+from benchmarks.transfer_overlap import OVERLAP_HEADERS, overlap_rows, run_overlap  # noqa: E402
 
 HOST = "127.0.0.1"
 GOAL = 0.80
@@ -318,7 +323,8 @@ class Bench:
         return statistics.median(self.ours_once([])[0].wire_s for _ in range(count))
 
 
-def run_transfers(shape: KVShape, sizes: list[int], repeat: int, seed: int) -> tuple[list[SizeResult], float]:
+def run_transfers(shape: KVShape, sizes: list[int], repeat: int, seed: int,
+                  overlap_sizes: list[int]) -> tuple[list[SizeResult], float, list]:
     from tests.e2e.cluster import free_port
 
     port = free_port()
@@ -328,7 +334,10 @@ def run_transfers(shape: KVShape, sizes: list[int], repeat: int, seed: int) -> t
         _store, raw = raw_group(port, rank=0)  # blocks until D joined too
         bench = Bench(shape, max(sizes), child, raw, seed)
         empty_s = bench.empty_transfer_s(max(5, repeat))
-        return [bench.measure(tokens, repeat) for tokens in sizes], empty_s
+        transfers = [bench.measure(tokens, repeat) for tokens in sizes]
+        bench.caches = []  # the overlap's engine needs the memory
+        overlap = run_overlap(bench.sender, child, bench.tickets, overlap_sizes, repeat, seed) if overlap_sizes else []
+        return transfers, empty_s, overlap
     finally:
         if bench is not None:
             bench.close()
@@ -479,9 +488,12 @@ def gap_line(r: SizeResult, empty_s: float) -> str:
 
 
 def notes(shape: KVShape, transfers: list[SizeResult], empty_s: float,
-          ttft: dict[str, TTFTResult] | None, args) -> list[str]:
+          ttft: dict[str, TTFTResult] | None, args, overlap: list | None = None) -> list[str]:
     lines = [f"goal ours/raw >= {GOAL:.2f} at {r.tokens} tokens: {r.ratio:.2f}x -> "
              f"{'MET' if r.ratio >= GOAL else 'NOT MET'}" for r in transfers]
+    lines += [f"overlap at {r.tokens} tokens ({r.chunks} prefill step(s); only the last chunk's layers "
+              f"stream): {r.hidden:.0%} of the one-shot transfer's time after the first token is hidden "
+              f"behind the prefill's compute" for r in overlap or []]
     lines.append(f"a 0-block transfer through our data plane (doorbell + header + ack, no payload) "
                  f"takes {ms(empty_s)} ms at P (median of {max(5, args.repeat)})")
     lines += [gap_line(r, empty_s) for r in transfers]
@@ -503,8 +515,8 @@ def method_lines(args, loads: list[str]) -> list[str]:
     return [
         f"transfer: median of {args.repeat} runs per size after 1 warm-up; D in a spawned child, P in "
         "this process, 127.0.0.1. ours = GlooBackend, P's TransferResult.seconds (doorbell in D's "
-        "TCPStore, header, payload, ack; D recycles each payload after poll() into its receive "
-        "buffer pool, as a decode worker does after importing the blocks); raw = one plain "
+        "TCPStore, header, the payload as one frame per layer, trailer, ack; D recycles each payload "
+        "after poll() into its receive buffer pool, as a decode worker does after importing the blocks); raw = one plain "
         "ProcessGroupGloo send of a float32 tensor of the same bytes between the same processes, "
         "from P's send() to D's recv().wait() (posted beforehand, buffer touched once and reused); "
         "'raw, fresh buffer' receives into a new torch.empty each time (what our receiver does "
@@ -522,12 +534,15 @@ def method_lines(args, loads: list[str]) -> list[str]:
     ]
 
 
-def report(shape, transfers, empty_s, ttft, args, loads) -> tuple[str, str]:
+def report(shape, transfers, empty_s, ttft, args, loads, overlap=()) -> tuple[str, str]:
     """(terminal text, RESULTS.md body)."""
-    note = notes(shape, transfers, empty_s, ttft, args)
+    note = notes(shape, transfers, empty_s, ttft, args, list(overlap))
     method = method_lines(args, loads)
     tables = [("KV transfer, ours vs raw gloo", TRANSFER_HEADERS, transfer_rows(transfers)),
               ("Where the time goes (medians)", BREAKDOWN_HEADERS, breakdown_rows(transfers))]
+    if overlap:
+        tables.append(("Transfer hidden behind the prefill (layer by layer vs one-shot, medians)",
+                       OVERLAP_HEADERS, overlap_rows(list(overlap))))
     if ttft is not None:
         tables.append(("TTFT, disaggregated vs colocated", TTFT_HEADERS, ttft_rows(ttft)))
     terminal = "\n\n".join(["\n".join(run_header())]
@@ -545,10 +560,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="1024,4096,16384", help="prompt sizes in tokens, comma separated")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per size and per TTFT length")
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and prompts")
+    p.add_argument("--overlap-sizes", default="1024,4096",
+                   help="prompt sizes for the layer-by-layer overlap, comma separated ('' to skip)")
     p.add_argument("--skip-ttft", action="store_true", help="measure only the transfers")
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    args.overlap_sizes = [int(s) for s in args.overlap_sizes.split(",") if s.strip()]
     if not args.sizes or min(args.sizes + [args.repeat]) < 1:
         p.error("--sizes and --repeat must be positive")
     return args
@@ -560,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1/5/15 min): {loads[0]}", flush=True)
     shape = default_kv_shape()
     print(f"KV transfers: {shape.bytes_per_token} bytes/token, sizes {args.sizes} ...", flush=True)
-    transfers, empty_s = run_transfers(shape, args.sizes, args.repeat, args.seed)
+    transfers, empty_s, overlap = run_transfers(shape, args.sizes, args.repeat, args.seed, args.overlap_sizes)
     loads.append(load_average())
     ttft = None
     if not args.skip_ttft:
@@ -570,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = read_spec(default_model_path()).vocab_size
         ttft = {mode: run_ttft(mode, args.repeat, args.seed + 1, vocab) for mode in MODES}
     loads.append(load_average())
-    terminal, markdown = report(shape, transfers, empty_s, ttft, args, loads)
+    terminal, markdown = report(shape, transfers, empty_s, ttft, args, loads, overlap)
     print("\n" + terminal)
     if not args.no_results:
         path = append_results("transfer_bandwidth (gloo, float32)", markdown)

@@ -47,7 +47,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             ticket, outputs = await self.worker.admit(
                 request.request_id, tuple(request.prompt_token_ids), params,
-                ticket_timeout_s(request.ticket_timeout_ms), local_prefill=request.local_prefill)
+                ticket_timeout_s(request.ticket_timeout_ms), local_prefill=request.local_prefill,
+                stream_first_token=request.stream_first_token)
         except DecodeDraining as exc:  # the router tries the next decode worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:  # too long, duplicate id
@@ -77,6 +78,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     logprobs=[logprobs_to_proto(output.logprobs)] if output.logprobs else [],
                     finish_reason=output.finish_reason or "",
                     stop_token_id=output.stop_reason if isinstance(output.stop_reason, int) else -1,
+                    sampled_at=[output.sampled_at] * len(output.new_token_ids) if output.sampled_at else [],
                 )
                 yield worker_pb2.DecodeEvent(tokens=chunk)
         finally:

@@ -2,8 +2,8 @@
 record the worker keeps per request (the diagram is in decode_worker/worker.py).
 
 Every record is created and moved on the engine loop thread only, so a wrong move is a bug:
-`move` asserts. (KV arrives whole: the backends report a transfer once it is complete, so
-there is no separate "receiving" state to observe.)
+`move` asserts. (The loop sees KV whole: the import thread writes it into the blocks and
+reports it once complete, so there is no separate "receiving" state to observe.)
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class DecodeRecord:
     """Every state it has been in, in order (for logs and tests)."""
     reason: str = ""
     """Why it ended, for ABORTED, EXPIRED and FAILED."""
+    stream_first_token: bool = False
+    """The caller wants the prefill's first token streamed as soon as its KV is in."""
 
     def __post_init__(self) -> None:
         assert self.state in INITIAL, f"decode request {self.request_id} cannot start {self.state.name}"

@@ -7,7 +7,11 @@
          refused (no blocks / batch full)  -> RESOURCE_EXHAUSTED at once, marked no-room
                                               (proto.limits), nothing held, no record
       -> TICKETED: ticket sent to the router, which asks a prefill worker to fill it
-         KV arrives on the data channel    -> blocks imported, first token appended: DECODING
+         KV arrives on the data channel    -> written into the blocks on the import thread
+                                              (decode_worker.kv_import), then committed on
+                                              the loop, first token appended: DECODING (with
+                                              stream_first_token, the first token is streamed
+                                              now, before the router has the Prefill reply)
          ticket deadline passes            -> EXPIRED, blocks freed, stream ends "abort"
          payload does not fit / import fails -> FAILED, blocks freed, stream ends "abort"
          transfer fails                    -> stays TICKETED (the router retries the prefill)
@@ -22,6 +26,8 @@
 
 All engine state, and every record, is touched only on the ServingLoop thread; RPC handlers
 submit commands and read an asyncio queue per request. status() reads counters any thread.
+The one exception is the KV of a TICKETED request: the import thread writes its reserved
+blocks, and the loop cancels that landing before it frees them (kv_import.py says how).
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from decode_worker.kv_import import Arrival, KVImporter
 from decode_worker.states import (  # noqa: F401 - the types callers need are re-exported here
     TERMINAL, DecodeDraining, DecodeRecord, DecodeState, StreamFailed, StreamItem, move,
 )
@@ -44,8 +51,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
 from engine.serving_loop import ServingLoop, wait_until_async
-from kv_transfer.base import ChannelAddress, KVReceiver, ReceivedKV
-from kv_transfer.packing import unpack_blocks
+from kv_transfer.base import ChannelAddress, KVReceiver, TransferState
 from worker_runtime.status import DrainResult, TransferTotals, WorkerState, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -71,6 +77,8 @@ class DecodeWorker:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)
+        self.importer = KVImporter(receiver, core.kv_caches)
+        """Writes arriving KV into reserved blocks on its own thread, off the engine step."""
         self._lock = threading.Lock()
         """Guards the worker state and `_live` for readers on other threads."""
         self._state = WorkerState.STARTING
@@ -83,6 +91,7 @@ class DecodeWorker:
 
     def start(self) -> None:
         self.loop.start()
+        self.importer.start()
         self.loop.add_poll_hook(self._poll_transfers)
         with self._lock:
             if self._state is WorkerState.STARTING:
@@ -92,6 +101,7 @@ class DecodeWorker:
         """Stop at once: the loop, the receiver; streams still open end with an error (a drain
         first ends them gracefully)."""
         self.loop.stop()
+        self.importer.stop()
         self.receiver.close()
         with self._lock:
             self._state = WorkerState.STOPPED
@@ -123,12 +133,14 @@ class DecodeWorker:
     # ------------------------------------------------------------ admission
     async def admit(
         self, request_id: str, prompt: tuple[int, ...], params: SamplingParams, ticket_timeout_s: float,
-        local_prefill: bool = False,
+        local_prefill: bool = False, stream_first_token: bool = False,
     ) -> tuple[TicketInfo | None, asyncio.Queue[StreamItem]]:
         """Reserve blocks; on success the request's outputs (or a final StreamFailed) go to the
         returned queue. local_prefill: queue the whole request here instead (ticket 0, nothing
-        reserved). Raises DecodeDraining when draining, ValueError for a prompt the engine
-        refuses or an id in use; None ticket: no room now (nothing held)."""
+        reserved). stream_first_token: the prefill's first token is the first output, as soon
+        as its KV is in (else the stream starts at the second token). Raises DecodeDraining when
+        draining, ValueError for a prompt the engine refuses or an id in use; None ticket: no
+        room now (nothing held)."""
         self._refuse_if_draining()
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -139,7 +151,7 @@ class DecodeWorker:
         try:
             ticket = await asyncio.wrap_future(self.loop.submit(
                 lambda: self._reserve(Request(request_id, prompt, params, self.core.eos_token_ids),
-                                      emit, ticket_timeout_s, local_prefill)))
+                                      emit, ticket_timeout_s, local_prefill, stream_first_token)))
         except asyncio.CancelledError:
             # The caller left while the reservation ran: nobody will read the ticket, so free
             # now rather than at the ticket's deadline. Shielded: this task is being cancelled.
@@ -193,7 +205,8 @@ class DecodeWorker:
             raise DecodeDraining(f"decode worker {self.worker_id} is {state.value}: it takes no new requests")
 
     # -------------------------------------------------------- loop thread only
-    def _reserve(self, request: Request, emit, ticket_timeout_s: float, local_prefill: bool) -> TicketInfo | None:
+    def _reserve(self, request: Request, emit, ticket_timeout_s: float, local_prefill: bool,
+                 stream_first_token: bool = False) -> TicketInfo | None:
         self._refuse_if_draining()  # again here: ordered with the drain's own commands
         if local_prefill:
             self.core.add_request(request)
@@ -208,8 +221,10 @@ class DecodeWorker:
         while ticket_id in self._tickets:
             ticket_id = secrets.randbits(62) or 1
         record = DecodeRecord(request.request_id, DecodeState.TICKETED, emit, ticket_id,
-                              reservation.block_ids, time.monotonic() + ticket_timeout_s)
+                              reservation.block_ids, time.monotonic() + ticket_timeout_s,
+                              stream_first_token=stream_first_token)
         self._tickets[ticket_id] = record
+        self.importer.expect(ticket_id, reservation.block_ids)
         self._adopt(record)
         return TicketInfo(ticket_id, reservation.num_cached_tokens, len(reservation.block_ids))
 
@@ -233,6 +248,8 @@ class DecodeWorker:
         if new is not DecodeState.TICKETED and record.ticket_id is not None:
             if self._tickets.get(record.ticket_id) is record:
                 del self._tickets[record.ticket_id]
+            # Before any caller frees the blocks: no KV write lands in them after this.
+            self.importer.cancel(record.ticket_id)
         if new in TERMINAL:
             with self._lock:
                 if self._live.get(record.request_id) is record:
@@ -266,14 +283,15 @@ class DecodeWorker:
         return len(records)
 
     def _poll_transfers(self) -> None:
-        """Import every arrived transfer, each on its own: one that fails (a bad payload, an
-        aborted request) fails only its own request and never hides the others in the batch."""
-        for received in self.receiver.poll():
+        """Commit every imported transfer, each on its own: one that fails (a bad payload, an
+        aborted request) fails only its own request and never hides the others in the batch.
+        The KV is already in the blocks (the import thread wrote it): no copy on this thread."""
+        for arrival in self.importer.take():
             try:
-                self._on_received(received)
+                self._on_arrival(arrival)
             except Exception:
-                logger.exception("importing the KV of ticket %d failed", received.header.ticket_id)
-                record = self._tickets.get(received.header.ticket_id)
+                logger.exception("committing the KV of ticket %d failed", arrival.header.ticket_id)
+                record = self._tickets.get(arrival.header.ticket_id)
                 if record is not None and not record.ended:
                     self._end(record, DecodeState.FAILED, "importing its KV failed")
         now = time.monotonic()
@@ -282,32 +300,36 @@ class DecodeWorker:
                 logger.warning("ticket %d (%s) expired before its KV arrived", ticket_id, record.request_id)
                 self._end(record, DecodeState.EXPIRED, "ticket expired")
 
-    def _on_received(self, received: ReceivedKV) -> None:
-        ticket_id = received.header.ticket_id
+    def _on_arrival(self, arrival: Arrival) -> None:
+        ticket_id, result = arrival.header.ticket_id, arrival.result
         record = self._tickets.get(ticket_id)
         if record is None:
             logger.warning("KV for unknown or expired ticket %d dropped", ticket_id)
-            if received.payload is not None:
-                self.receiver.recycle(received.payload)
             return
-        if received.payload is None:
+        if result.state is TransferState.FAILED:
             # Keep the reservation: the router retries the prefill elsewhere with the same
             # ticket; if nobody fills it, the deadline frees it.
-            self._totals = TransferTotals(self._totals.count, self._totals.nbytes, self._totals.seconds,
-                                          self._totals.failures + 1)
-            logger.warning("KV transfer for ticket %d failed: %s", ticket_id, received.result.error)
+            self._totals = replace(self._totals, failures=self._totals.failures + 1)
+            logger.warning("KV transfer for ticket %d failed: %s", ticket_id, result.error)
             return
-        if received.header.num_blocks != len(record.block_ids):
-            self.receiver.recycle(received.payload)
-            self._end(record, DecodeState.FAILED,
-                      f"got {received.header.num_blocks} blocks, reserved {len(record.block_ids)}")
+        if arrival.error is not None:
+            self._end(record, DecodeState.FAILED, arrival.error)
             return
-        unpack_blocks(received.payload, self.core.kv_caches, record.block_ids)
-        self.receiver.recycle(received.payload)  # copied into blocks: D may receive into it again
         t = self._totals
-        self._totals = TransferTotals(t.count + 1, t.nbytes + received.result.nbytes,
-                                      t.seconds + received.result.seconds, t.failures)
+        self._totals = TransferTotals(t.count + 1, t.nbytes + result.nbytes, t.seconds + result.seconds, t.failures)
         self._move(record, DecodeState.DECODING)
-        output = self.core.commit_remote(record.request_id, received.header.first_token_id)
+        output = self.core.commit_remote(record.request_id, arrival.header.first_token_id)
+        if record.stream_first_token:
+            output = self._first_token(record, arrival, output)
         if output is not None:
             self.loop.deliver(output)
+
+    @staticmethod
+    def _first_token(record: DecodeRecord, arrival: Arrival, ended: EngineCoreOutput | None) -> EngineCoreOutput:
+        """The prefill's first token as this stream's first output (with the finish when that
+        token already ends the request). Stamped with P's sample time when the header carries
+        it, else with the time its KV was in here."""
+        header = arrival.header
+        sampled_at = header.first_token_at_us / 1e6 if header.first_token_at_us else arrival.arrived_at
+        base = ended or EngineCoreOutput(record.request_id, (), None, None, None)
+        return replace(base, new_token_ids=(header.first_token_id,), sampled_at=sampled_at)

@@ -7,7 +7,8 @@ A plan's block copies (swap out, then swap in) run before its forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +64,13 @@ def copy_blocks(
         _raw(d).index_copy_(1, dst_index, blocks)
 
 
+LayerDone = Callable[[int], None]
+"""Called on the engine thread right after layer i of a forward pass (its KV is stored)."""
+StepListener = Callable[[SchedulerOutput], "LayerDone | None"]
+"""Called before each forward pass with its plan; what it returns (if anything) is called after
+every layer of that pass. A prefill worker streams KV layer by layer through it."""
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -86,6 +94,24 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self._step_listener: StepListener | None = None
+        self._layer_done: LayerDone | None = None
+
+    def set_step_listener(self, listener: StepListener) -> None:
+        """Install the one step listener (the model's decoder layers get a forward hook then;
+        a runner without a listener pays nothing). Raises ValueError where the model has no
+        `model.layers` list to hook."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.model).__name__} has no model.layers to report per layer")
+        if self._step_listener is None:
+            for i, layer in enumerate(layers):
+                layer.register_forward_hook(lambda _module, _args, _out, i=i: self._after_layer(i))
+        self._step_listener = listener
+
+    def _after_layer(self, layer: int) -> None:
+        if self._layer_done is not None:
+            self._layer_done(layer)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -103,7 +129,11 @@ class ModelRunner:
         ordered = decodes + prefills
         input_ids, positions, slot_mapping = self._flatten(ordered)
         meta = self._metadata(decodes, prefills, slot_mapping)
-        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], self.kv_caches, meta)
+        self._layer_done = self._step_listener(plan) if self._step_listener is not None else None
+        try:
+            hidden = self.model(input_ids, self.cos[positions], self.sin[positions], self.kv_caches, meta)
+        finally:
+            self._layer_done = None
 
         sample_rows, last_index, offset = [], [], 0
         for work in ordered:
@@ -115,6 +145,7 @@ class ModelRunner:
             return RunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
         out = self.sampler(logits, [self._sampling_row(w) for w in sample_rows])
+        sampled_at = time.time()  # the tokens exist from here (token delivery delay starts)
         return RunnerOutput(
             sampled_token_ids={w.request_id: t for w, t in zip(sample_rows, out.token_ids, strict=True)},
             logprobs={
@@ -122,6 +153,7 @@ class ModelRunner:
                 for w, lp in zip(sample_rows, out.logprobs, strict=True)
                 if lp is not None
             },
+            sampled_at=sampled_at,
         )
 
     def _sampling_row(self, work: ScheduledRequest) -> SamplingRow:

@@ -347,6 +347,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    sampled_at=result.sampled_at,
                 )
             )
         return outputs

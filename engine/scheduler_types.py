@@ -69,6 +69,8 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_at: float | None = None
+    """Unix time the sampler returned this step's tokens (None when nothing was sampled)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class EngineCoreOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int = 0
+    sampled_at: float | None = None
+    """Unix time new_token_ids were sampled (worker clock; None for an output with no new
+    token). Travels in TokenChunk.sampled_at, for token delivery delay (sample -> client)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ from engine.registry import Registry
 
 if TYPE_CHECKING:
     import torch
+
+    from kv_transfer.layers import LayerFeed
 
 
 class TransferState(enum.Enum):
@@ -59,8 +62,8 @@ _ITEMSIZE = {
 }
 
 HEADER_MAGIC = 0x4B565846  # "KVXF"
-HEADER_VERSION = 1
-HEADER_LEN = 10  # ints on the wire; both ends must agree (gloo aborts on a size mismatch)
+HEADER_VERSION = 2  # 2: first_token_at_us added (the first token's sample time)
+HEADER_LEN = 11  # ints on the wire; both ends must agree (gloo aborts on a size mismatch)
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,14 @@ class TransferHeader:
     num_kv_heads: int
     head_dim: int
     dtype: DTypeCode
+    first_token_at_us: int = 0
+    """Unix time (microseconds, P's clock) the first token was sampled; 0 when unknown. D
+    stamps the first token it streams with it, for token delivery delay (sample -> client)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTypeCode(self.dtype))  # ValueError if unknown
+        if self.first_token_at_us < 0:
+            raise ValueError(f"first_token_at_us must be >= 0, got {self.first_token_at_us}")
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -96,10 +104,10 @@ class TransferHeader:
 
     def to_ints(self) -> tuple[int, ...]:
         """(magic, version, ticket_id, first_token_id, num_layers, num_blocks, block_size,
-        num_kv_heads, head_dim, dtype); always HEADER_LEN long."""
+        num_kv_heads, head_dim, dtype, first_token_at_us); always HEADER_LEN long."""
         return (HEADER_MAGIC, HEADER_VERSION, self.ticket_id, self.first_token_id,
                 self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                self.head_dim, int(self.dtype))
+                self.head_dim, int(self.dtype), self.first_token_at_us)
 
     @classmethod
     def from_ints(cls, ints: tuple[int, ...] | list[int]) -> TransferHeader:
@@ -111,7 +119,7 @@ class TransferHeader:
             raise ValueError(f"bad transfer header magic {magic:#x}, expected {HEADER_MAGIC:#x}")
         if version != HEADER_VERSION:
             raise ValueError(f"transfer header version {version}, expected {HEADER_VERSION}")
-        return cls(*fields[:7], dtype=DTypeCode(fields[7]))
+        return cls(*fields[:7], dtype=DTypeCode(fields[7]), first_token_at_us=fields[8])
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,17 @@ class KVSender(ABC):
         the transfer comes back FAILED from poll().
         """
 
+    streams_layers: bool = False
+    """Whether send_layers works: the KV may go layer by layer while the prefill computes."""
+
+    def send_layers(self, feed: LayerFeed) -> None:
+        """Queue a transfer whose layers the caller puts into `feed` as they are computed,
+        then finishes (or cancels) it. Does not block. The header's first_token_id is the
+        feed's placeholder: D gets the real one from finish(). Raises as send(), and
+        NotImplementedError where streams_layers is False. A cancelled feed comes back FAILED
+        from poll() without breaking the channel."""
+        raise NotImplementedError(f"{type(self).__name__} sends whole payloads only")
+
     @abstractmethod
     def poll(self) -> list[TransferResult]:
         """Results (DONE or FAILED) finished since the last poll, each returned once.
@@ -252,6 +271,12 @@ class KVReceiver(ABC):
 
         Does not block. The caller owns each returned payload.
         """
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until poll() may have something new, or at most timeout_s (a spurious early
+        return is allowed): a thread importing transfers sleeps here instead of spinning.
+        Mutates nothing; any thread. This default sleeps a short slice of timeout_s."""
+        time.sleep(min(timeout_s, 0.002))
 
     def recycle(self, payload: torch.Tensor) -> None:
         """Hand back a payload poll() returned, once the caller has copied it out (e.g. into

@@ -31,14 +31,17 @@ def dtype_code(dtype: torch.dtype) -> DTypeCode:
     return DTYPE_CODES[dtype]
 
 
-def make_header(ticket_id: int, first_token_id: int, payload: torch.Tensor) -> TransferHeader:
-    """The header describing `payload` (shape as pack_blocks returns it)."""
+def make_header(ticket_id: int, first_token_id: int, payload: torch.Tensor,
+                first_token_at: float | None = None) -> TransferHeader:
+    """The header describing `payload` (shape as pack_blocks returns it). first_token_at:
+    unix time (s) the first token was sampled, carried in microseconds; None: unknown."""
     if payload.dim() != 6 or payload.shape[1] != 2:
         raise ValueError(f"payload must be [layers, 2, blocks, block, heads, dim], got "
                          f"{tuple(payload.shape)}")
     layers, _, blocks, block_size, heads, head_dim = payload.shape
+    at_us = round(first_token_at * 1e6) if first_token_at else 0
     return TransferHeader(ticket_id, first_token_id, layers, blocks, block_size, heads,
-                          head_dim, dtype_code(payload.dtype))
+                          head_dim, dtype_code(payload.dtype), at_us)
 
 
 def empty_payload(header: TransferHeader, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -68,6 +71,21 @@ def pack_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> 
                       device=kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
         torch.index_select(_raw(cache), 1, index, out=_raw(out[layer]))
+    return out
+
+
+def block_index(block_ids: Sequence[int], kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The index tensor pack_layer takes (checked once per transfer, not once per layer).
+    Raises ValueError on block ids out of range or repeated."""
+    shape, _ = _check_caches(kv_caches)
+    return _index(block_ids, shape[1], kv_caches[0].device)
+
+
+def pack_layer(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One layer's share of pack_blocks: a new contiguous [2, len(index), block, heads, dim]
+    copy of the indexed blocks (what a layer feed carries). Does not mutate `cache`."""
+    out = torch.empty((2, len(index), *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+    torch.index_select(_raw(cache), 1, index, out=_raw(out))
     return out
 
 

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from kv_transfer.base import (
     TransferResult,
     TransferState,
 )
+from kv_transfer.layers import TRAILER_LEN, TrailerStatus
 from kv_transfer.packing import empty_payload
 from kv_transfer.recv_pool import RecvBufferPool
 from kv_transfer import wire
@@ -46,6 +48,7 @@ class TorchDistReceiver(KVReceiver):
         self._store = wire.host_store(self._config.host, self._config.connect_timeout_s)
         self.host, self.port = self._config.host, self._store.port
         self._inbox: deque[ReceivedKV] = deque()  # appended by channel threads
+        self._arrived = threading.Event()  # set after each append; cleared by poll()
         # Shared by all channels; CPU only (a GPU's caching allocator already reuses memory).
         on_cpu = torch.device(self._config.device).type == "cpu"
         self._pool = RecvBufferPool(self._config.recv_buffer_pool_bytes if on_cpu else 0)
@@ -61,7 +64,7 @@ class TorchDistReceiver(KVReceiver):
         # Set before the address leaves D, so P never waits for it.
         PrefixStore(address.channel_id, self._store).set(wire.NONCE_KEY, nonce)
         self._channels[address.channel_id] = _Channel(self._backend, address, nonce, self._inbox,
-                                                      self._pool)
+                                                      self._pool, self._arrived)
         return address
 
     def close_channel(self, address: ChannelAddress) -> None:
@@ -71,10 +74,14 @@ class TorchDistReceiver(KVReceiver):
             channel.join()
 
     def poll(self) -> list[ReceivedKV]:
+        self._arrived.clear()  # before draining: an append after this sets it again
         items = []
         while self._inbox:
             items.append(self._inbox.popleft())
         return items
+
+    def wait(self, timeout_s: float) -> None:
+        self._arrived.wait(timeout_s)
 
     def recycle(self, payload: torch.Tensor) -> None:
         self._pool.put(payload)
@@ -83,6 +90,7 @@ class TorchDistReceiver(KVReceiver):
         if self._closed:
             return
         self._closed = True
+        self._arrived.set()  # wake a waiter: there is nothing more to wait for
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             channel.stop(self._store)
@@ -95,13 +103,14 @@ class _Channel:
     """One P's channel on D: its thread, and the doorbell sequence number it waits on."""
 
     def __init__(self, backend: TorchDistBackend, address: ChannelAddress, nonce: bytes,
-                 inbox: deque[ReceivedKV], pool: RecvBufferPool) -> None:
+                 inbox: deque[ReceivedKV], pool: RecvBufferPool, arrived: threading.Event) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
         self._nonce = nonce
         self._inbox = inbox
         self._pool = pool
+        self._arrived = arrived
         self._lock = threading.Lock()
         self._seq = 0  # the ring D waits on next; guarded by _lock
         self._stopping = False
@@ -198,11 +207,23 @@ class _Channel:
             payload = self._pool.take(header)
         else:
             payload = empty_payload(header, device)
+        trailer = torch.empty(TRAILER_LEN, dtype=torch.int64, device=device)
         try:
             if header.payload_nbytes:
-                deadline.wait(group.recv([payload], wire.RANK_P, wire.TAG_PAYLOAD))
+                # All posted at once (in order: gloo matches them to P's sends in order); each
+                # layer lands as P computes it (layers.py), so each is bounded on its own:
+                # within timeout_s of the one before.
+                posted = [group.recv([payload[layer]], wire.RANK_P, wire.TAG_PAYLOAD)
+                          for layer in range(header.num_layers)]
+                for work in posted:
+                    wire.Deadline(self._config.timeout_s).wait(work)
+            rest = wire.Deadline(self._config.timeout_s)  # trailer and ack (P bounds its own waits)
+            rest.wait(group.recv([trailer], wire.RANK_P, wire.TAG_TRAILER))
+            ticket, status, first_token_id, first_token_at_us = trailer.tolist()
+            if ticket != header.ticket_id:
+                raise RuntimeError(f"trailer names ticket {ticket}, header {header.ticket_id}")
             ack = wire.ack_tensor(header.ticket_id, header.payload_nbytes, device)
-            deadline.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
+            rest.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
         except Exception as e:  # noqa: BLE001 - gloo/nccl errors fail this ticket
             error = (f"receiving ticket {header.ticket_id} on channel {self.address.channel_id} "
                      f"failed after {deadline.elapsed():.2f}s: {e}")
@@ -210,10 +231,20 @@ class _Channel:
                                     deadline.elapsed(), error)
             # payload is not pooled again: a timed-out recv may still write into it.
             self._inbox.append(ReceivedKV(header, None, result))
+            self._arrived.set()
             return False
+        if status != TrailerStatus.COMPLETE:  # P's request ended mid-transfer: nothing to import
+            self._pool.put(payload)
+            result = TransferResult(header.ticket_id, TransferState.FAILED, 0, deadline.elapsed(),
+                                    f"the prefill worker cancelled ticket {header.ticket_id} mid-transfer")
+            self._inbox.append(ReceivedKV(header, None, result))
+            self._arrived.set()
+            return True
+        header = replace(header, first_token_id=first_token_id, first_token_at_us=first_token_at_us)
         result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
                                 deadline.elapsed())
         self._inbox.append(ReceivedKV(header, payload, result))
+        self._arrived.set()
         return True
 
 

@@ -2,9 +2,10 @@
 
 Lifecycle: connect() starts the channel thread, which joins D's group (rank 0) and then
 drains the queue, one transfer at a time: PENDING (queued) -> IN_FLIGHT (on the wire) ->
-DONE (D acknowledged) | FAILED. The first failure breaks the channel for good (a timed-out
+DONE (D acknowledged) | FAILED. The first wire failure breaks the channel for good (a timed-out
 gloo operation poisons its group): later transfers FAIL at once with the same reason, and the
-caller gets a fresh channel from D.
+caller gets a fresh channel from D. A layer feed that its producer cancels FAILS only its own
+transfer: the missing layers go as zeros under a CANCELLED trailer, so the channel stays in step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kv_transfer.base import (
     TransferResult,
     TransferState,
 )
-from kv_transfer.packing import check_payload
+from kv_transfer.layers import FeedCancelled, LayerFeed, TrailerStatus
+from kv_transfer.packing import TORCH_DTYPES, check_payload
 from kv_transfer import wire
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ class TorchDistSender(KVSender):
         self._backend = backend
         self._config = backend.config
         self.address = address
-        self._queue: queue.SimpleQueue[tuple[TransferHeader, torch.Tensor] | None] = (
+        self._queue: queue.SimpleQueue[tuple[TransferHeader, torch.Tensor | LayerFeed] | None] = (
             queue.SimpleQueue())
         self._lock = threading.Lock()
         self._states: dict[int, TransferState] = {}  # guarded by _lock
@@ -57,11 +59,21 @@ class TorchDistSender(KVSender):
             raise RuntimeError(f"sender to {self._where()} is closed")
         check_payload(header, payload)
         self._backend.check_device(payload)
+        self._enqueue(header, payload)
+
+    streams_layers = True
+
+    def send_layers(self, feed: LayerFeed) -> None:
+        if self._closing:
+            raise RuntimeError(f"sender to {self._where()} is closed")
+        self._enqueue(feed.header, feed)
+
+    def _enqueue(self, header: TransferHeader, source: torch.Tensor | LayerFeed) -> None:
         with self._lock:
             if header.ticket_id in self._states:
                 raise ValueError(f"ticket {header.ticket_id} is already outstanding")
             self._states[header.ticket_id] = TransferState.PENDING
-        self._queue.put((header, payload))
+        self._queue.put((header, source))
 
     def poll(self) -> list[TransferResult]:
         with self._lock:
@@ -128,28 +140,61 @@ class TorchDistSender(KVSender):
         del group  # drops the sockets: a peer still in an operation fails at once
 
     def _transfer(self, store: Store, group: ProcessGroup, seq: int, header: TransferHeader,
-                  payload: torch.Tensor) -> None:
-        deadline = wire.Deadline(self._config.timeout_s)
+                  source: torch.Tensor | LayerFeed) -> None:
+        """Budgets: timeout_s for the header; a feed's layers and first token each within
+        timeout_s / 2 of the one before (the prefill computes meanwhile: a step may take longer
+        than timeout_s in all, a layer never should; D's recvs are bounded per layer alike);
+        then timeout_s for the rest of the wire once every byte exists."""
+        started = wire.Deadline(self._config.timeout_s)
         nbytes = header.payload_nbytes
+        device = source.device if isinstance(source, torch.Tensor) else torch.device(self._config.device)
+        cancelled = None
         try:
             store.set(wire.ring_key(seq), wire.XFER)
-            deadline.wait(group.send(
-                [wire.header_tensor(header.to_ints(), payload.device)], wire.RANK_D,
+            started.wait(group.send(
+                [wire.header_tensor(header.to_ints(), device)], wire.RANK_D,
                 wire.TAG_HEADER))
-            if nbytes:
-                deadline.wait(group.send([payload], wire.RANK_D, wire.TAG_PAYLOAD))
-            ack = torch.empty(2, dtype=torch.int64, device=payload.device)
-            deadline.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
+            posted, cancelled = self._post_layers(group, header, source, device) if nbytes else ([], None)
+            trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
+            rest = wire.Deadline(self._config.timeout_s)
+            for work, _ in posted:
+                rest.wait(work)
+            rest.wait(group.send([wire.header_tensor(trailer, device)], wire.RANK_D, wire.TAG_TRAILER))
+            ack = torch.empty(2, dtype=torch.int64, device=device)
+            rest.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
             if tuple(ack.tolist()) != (header.ticket_id, nbytes):
                 raise RuntimeError(f"D acknowledged {tuple(ack.tolist())}, expected "
                                    f"{(header.ticket_id, nbytes)}")
         except Exception as e:  # noqa: BLE001 - gloo/nccl/store errors all fail the transfer
             error = (f"transfer of ticket {header.ticket_id} ({nbytes} bytes) to "
-                     f"{self._where()} failed after {deadline.elapsed():.2f}s: {e}")
+                     f"{self._where()} failed after {started.elapsed():.2f}s: {e}")
             self._break(error)
-            self._finish(header, 0, deadline.elapsed(), error)
+            self._finish(header, 0, started.elapsed(), error)
             return
-        self._finish(header, nbytes, deadline.elapsed(), None)
+        if cancelled is not None:  # only this transfer fails; the channel is in step
+            self._finish(header, 0, started.elapsed(), f"ticket {header.ticket_id} cancelled: {cancelled}")
+            return
+        self._finish(header, nbytes, started.elapsed(), None)
+
+    def _post_layers(self, group: ProcessGroup, header: TransferHeader, source: torch.Tensor | LayerFeed,
+                     device: torch.device) -> tuple[list, str | None]:
+        """Post every layer's send in turn, each as soon as it exists (sends overlap each other
+        and the wait for the next layer). Returns the posted (work, tensor) pairs (the tensor
+        must live until its send completes) and None, or why the feed was cancelled (the
+        layers it lacks then go as zeros)."""
+        cancelled, posted = None, []
+        for layer in range(header.num_layers):
+            if isinstance(source, torch.Tensor):
+                kv = source[layer]  # a contiguous view
+            elif cancelled is None:
+                try:
+                    kv = source.get(layer, self._config.timeout_s / 2)
+                except FeedCancelled as e:
+                    cancelled = str(e)
+            if cancelled is not None:
+                kv = torch.zeros(header.payload_shape[1:], dtype=TORCH_DTYPES[header.dtype], device=device)
+            posted.append((group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD), kv))
+        return posted, cancelled
 
     def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None) -> None:
         state = TransferState.FAILED if error is not None else TransferState.DONE
@@ -165,3 +210,18 @@ class TorchDistSender(KVSender):
     def _where(self) -> str:
         a = self.address
         return f"{a.host}:{a.port}/{a.channel_id}"
+
+
+def _trailer(header: TransferHeader, source: torch.Tensor | LayerFeed, cancelled: str | None,
+             wait_s: float) -> tuple[int, ...]:
+    """(ticket_id, status, first_token_id, first_token_at_us): a feed's first token comes last."""
+    if cancelled is None and isinstance(source, LayerFeed):
+        try:
+            token, at_us = source.trailer(wait_s)
+            return (header.ticket_id, TrailerStatus.COMPLETE, token, at_us)
+        except FeedCancelled as e:
+            cancelled = str(e)
+    if cancelled is not None:
+        return (header.ticket_id, TrailerStatus.CANCELLED, 0, 0)
+    return (header.ticket_id, TrailerStatus.COMPLETE, header.first_token_id, header.first_token_at_us)
+

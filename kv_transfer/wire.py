@@ -15,7 +15,9 @@ TCPStore that D hosts, under the channel's key prefix:
     per transfer n = 1, 2, ...:
       set ring/n = "xfer"               wait ring/n (idle here, never in a gloo recv)
       send header  (TAG_HEADER)         recv header: HEADER_LEN int64
-      send payload (TAG_PAYLOAD)        recv payload: shape/dtype from the header
+      send layer 0..n-1 (TAG_PAYLOAD)   recv each layer [2, blocks, block, heads, dim] in turn
+      send trailer (TAG_TRAILER)        recv trailer: (ticket_id, status, first_token_id,
+                                          first_token_at_us); CANCELLED: nothing to import
       recv ack     (TAG_ACK)            send ack = (ticket_id, nbytes)
     set ring/n = "close" on close       either side may ring "close"
 
@@ -28,6 +30,10 @@ P proved itself. The store accepts any client on the host and lists its keys, so
 could still race to overwrite a rank's address during the group's own rendezvous and sit at
 one end of the group: hence the second pair of proofs, over the group's own connection, with
 values that never appear in the store. Neither side sends KV or accepts KV before it.
+
+Why layers and a trailer: a prefill worker may start a transfer while it still computes the
+prompt (kv_transfer/layers.py), so each layer goes as soon as it exists, and the first token,
+known last, follows the layers. A one-shot send uses the same frames.
 
 Why a doorbell: a gloo recv that times out poisons the whole group, so D must not sit in a
 recv while idle; the store wait is interruptible (close rings it) and costs nothing.
@@ -51,6 +57,7 @@ TAG_HEADER = 1
 TAG_PAYLOAD = 2
 TAG_ACK = 3
 TAG_PROOF = 4
+TAG_TRAILER = 5
 RANK_P = 0
 RANK_D = 1
 HELLO = b"hello"
@@ -180,6 +187,10 @@ class Deadline:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        """Seconds of the budget left (0 once spent)."""
+        return max(self.end - time.perf_counter(), 0.0)
 
     def wait(self, work: torch.distributed.Work) -> None:
         """Raises RuntimeError (from the backend) if `work` fails or the budget runs out."""

@@ -4,9 +4,11 @@
       -> CONNECTING  the data channel to that decode worker is opened (once per decode worker
                      incarnation, pooled, shared by concurrent requests)
       -> QUEUED      handed to the engine loop; waits for its batch
-      -> COMPUTING   prompt chunks run (chunked with other prompts)
-      -> SENDING     first token sampled; the blocks after the decode worker's cached prefix
-                     are packed, released, and queued on the channel
+      -> COMPUTING   prompt chunks run (chunked with other prompts); during the last chunk's
+                     forward pass each layer's blocks after the decode worker's cached prefix
+                     go on the channel as soon as they are stored (layer_stream.py)
+      -> SENDING     first token sampled; it finishes the layer stream (or, where no stream
+                     opened, the blocks are packed and queued whole); the blocks are released
       -> SENT        the transfer finished; the first token is returned
     from any non-terminal state:
       -> FAILED      the channel or the transfer failed, the engine dropped it, or it was still
@@ -42,6 +44,7 @@ from engine.serving_loop import ServingLoop, wait_until_async
 from kv_transfer.base import ChannelAddress, TransferResult, TransferState
 from kv_transfer.packing import make_header, pack_blocks
 from kv_transfer.pool import ChannelPool
+from prefill_worker.layer_stream import LayerStreams
 from prefill_worker.openings import ChannelOpener, ChannelOpenings
 from prefill_worker.states import (  # noqa: F401 - the types callers need are re-exported here
     TERMINAL, DecodeTarget, PrefillAborted, PrefillDrained, PrefillDraining, PrefillRecord,
@@ -62,7 +65,9 @@ class PrefillWorker:
 
     def __init__(self, core: EngineCore, channels: ChannelPool, open_channel: ChannelOpener,
                  worker_id: str | None = None, backend_name: str = "gloo",
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0, stream_layers: bool = True) -> None:
+        """stream_layers: send KV layer by layer during the last chunk's forward pass where
+        the channel can (False: always whole, after the first token)."""
         assert core.scheduler.hold_finished_blocks, "a prefill worker's core must hold finished blocks"
         self.core = core
         self.channels = channels
@@ -86,8 +91,11 @@ class PrefillWorker:
         self._queued: dict[int, PrefillRecord] = {}
         """QUEUED records, watched for their first computed chunk (loop thread only)."""
         self._totals = TransferTotals()
+        self._layers = LayerStreams(core, channels) if stream_layers else None
 
     def start(self) -> None:
+        if self._layers is not None:  # before the loop runs: the runner is the loop's own
+            self.core.runner.set_step_listener(self._layers.before_forward)
         self.loop.start()
         self.loop.add_poll_hook(self._poll)
         with self._lock:
@@ -98,6 +106,8 @@ class PrefillWorker:
         """Stop at once: the loop, the channels; calls still waiting fail (a drain first ends
         them gracefully)."""
         self.loop.stop()
+        if self._layers is not None:  # no step will finish them: free their channel threads now
+            self._layers.drop_all(f"prefill worker {self.worker_id} stopped")
         self.channels.close()
         with self._lock:
             self._state = WorkerState.STOPPED
@@ -276,6 +286,8 @@ class PrefillWorker:
                     del self._by_request[record.request_id]
                 if self._by_ticket.get(record.ticket_id) is record:
                     del self._by_ticket[record.ticket_id]
+        if new in TERMINAL and self._layers is not None:
+            self._layers.drop(record.request_id, reason or new.name)
         logger.debug("prefill %s -> %s %s", record.request_id, new.name, reason)
 
     def _end(self, record: PrefillRecord, state: PrefillState, error: BaseException | None = None,
@@ -297,6 +309,8 @@ class PrefillWorker:
             self._end(record, PrefillState.FAILED, exc)
             return
         self._queued[record.key] = record
+        if self._layers is not None:
+            self._layers.want(record.request_id, address, target)
 
     def _abort_on_loop(self, record: PrefillRecord) -> bool:
         if record.ended:
@@ -324,7 +338,8 @@ class PrefillWorker:
                       PrefillAborted(f"request {record.request_id} was aborted before its first token"))
             return
         try:
-            self._send(record, output, address, target)
+            if not self._finish_stream(record, output, target):
+                self._send(record, output, address, target)
         except Exception as exc:  # this request fails; the loop and the others go on
             logger.exception("sending the KV of %s failed", record.request_id)
             self.core.release_blocks(record.request_id)
@@ -349,11 +364,30 @@ class PrefillWorker:
             self._end(record, PrefillState.FAILED, TransferFailed(f"no channel to {target.decode_address}"))
             return
         try:
-            sender.send(make_header(target.ticket_id, first.new_token_ids[0], payload), payload.contiguous())
+            sender.send(make_header(target.ticket_id, first.new_token_ids[0], payload, first.sampled_at),
+                        payload.contiguous())
         except Exception as exc:  # a closed sender, a ticket still outstanding: this request only
             self._end(record, PrefillState.FAILED, TransferFailed(f"could not send ticket {target.ticket_id}: {exc}"))
             return
-        record.shipment = Shipment(first, payload.shape[2], (target.decode_address, target.incarnation))
+        self._shipped(record, first, payload.shape[2], target)
+
+    def _finish_stream(self, record: PrefillRecord, first: EngineCoreOutput, target: DecodeTarget) -> bool:
+        """Finish the request's layer stream, if one carries all its blocks; True then (its
+        blocks released: every layer was copied into the feed during the step)."""
+        if self._layers is None:
+            return False
+        block_size = self.core.config.block_size
+        held = self.core.held_block_ids(record.request_id)[target.num_cached_tokens // block_size:]
+        feed = self._layers.take(record.request_id, held)
+        if feed is None:
+            return False
+        self.core.release_blocks(record.request_id)
+        feed.finish(first.new_token_ids[0], first.sampled_at)
+        self._shipped(record, first, feed.header.num_blocks, target)
+        return True
+
+    def _shipped(self, record: PrefillRecord, first: EngineCoreOutput, num_blocks: int, target: DecodeTarget) -> None:
+        record.shipment = Shipment(first, num_blocks, (target.decode_address, target.incarnation))
         with self._lock:
             self._by_ticket[target.ticket_id] = record
         self._move(record, PrefillState.SENDING)

@@ -85,13 +85,14 @@ class Pair:
         self.decode.stop()
 
 
-def make_pair(model_dir, transfer_timeout_s: float = 30.0, **overrides) -> Pair:
+def make_pair(model_dir, transfer_timeout_s: float = 30.0, stream_layers: bool = True, **overrides) -> Pair:
     backend = LocalBackend()
     receiver = backend.open_receiver()
     opener = Opener(receiver)
     pool = GatedPool(backend)
     prefill = PrefillWorker(EngineCore(config(model_dir, **overrides), hold_finished_blocks=True), pool, opener,
-                            worker_id="prefill-t", backend_name="local", transfer_timeout_s=transfer_timeout_s)
+                            worker_id="prefill-t", backend_name="local", transfer_timeout_s=transfer_timeout_s,
+                            stream_layers=stream_layers)
     decode = DecodeWorker(EngineCore(config(model_dir, **overrides)), receiver, worker_id="decode-t")
     prefill.start()
     decode.start()

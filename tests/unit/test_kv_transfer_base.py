@@ -22,12 +22,13 @@ from kv_transfer.base import (
 from kv_transfer.pool import ChannelPool
 
 HEADER = TransferHeader(ticket_id=42, first_token_id=9001, num_layers=30, num_blocks=7,
-                        block_size=16, num_kv_heads=3, head_dim=64, dtype=DTypeCode.BFLOAT16)
+                        block_size=16, num_kv_heads=3, head_dim=64, dtype=DTypeCode.BFLOAT16,
+                        first_token_at_us=1_790_000_000_123_456)
 
 
 def test_header_round_trips_through_its_fixed_length_ints():
     ints = HEADER.to_ints()
-    assert ints == (HEADER_MAGIC, HEADER_VERSION, 42, 9001, 30, 7, 16, 3, 64, 2)
+    assert ints == (HEADER_MAGIC, HEADER_VERSION, 42, 9001, 30, 7, 16, 3, 64, 2, 1_790_000_000_123_456)
     assert len(ints) == HEADER_LEN
     assert TransferHeader.from_ints(list(ints)) == HEADER
 
@@ -44,15 +45,15 @@ def test_header_with_bad_magic_is_rejected():
 
 
 def test_header_with_other_version_or_length_is_rejected():
-    with pytest.raises(ValueError, match="transfer header version 2, expected 1"):
-        TransferHeader.from_ints((HEADER_MAGIC, 2, *HEADER.to_ints()[2:]))
-    with pytest.raises(ValueError, match="a transfer header has 10 ints, got 9"):
+    with pytest.raises(ValueError, match="transfer header version 1, expected 2"):
+        TransferHeader.from_ints((HEADER_MAGIC, 1, *HEADER.to_ints()[2:]))
+    with pytest.raises(ValueError, match="a transfer header has 11 ints, got 10"):
         TransferHeader.from_ints(HEADER.to_ints()[:-1])
 
 
 def test_header_with_unknown_dtype_code_or_bad_dims_is_rejected():
     with pytest.raises(ValueError, match="99 is not a valid DTypeCode"):
-        TransferHeader.from_ints((*HEADER.to_ints()[:-1], 99))
+        TransferHeader.from_ints((*HEADER.to_ints()[:-2], 99, 0))
     with pytest.raises(ValueError, match="head_dim must be positive, got 0"):
         TransferHeader(1, 2, 30, 7, 16, 3, 0, DTypeCode.FLOAT32)
     with pytest.raises(ValueError, match="num_blocks must be >= 0, got -1"):

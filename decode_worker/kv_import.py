@@ -1,0 +1,159 @@
+"""KVImporter: the decode worker's thread that writes arriving KV into the reserved blocks, off
+the engine step.
+
+Why a thread: unpacking a payload (a copy of every layer's blocks) on the engine loop made each
+decode step after an arrival pay for it, so other requests' inter-token latency rose with every
+prompt that landed. Here the copy runs beside the loop; the loop only sees "KV complete" (an
+Arrival) and commits (DecodeWorker._poll_transfers).
+
+Who may write a ticket's blocks (the engine allocated them; only the loop frees them):
+
+    expect(ticket, blocks)   loop, at reservation: a landing opens; the blocks may be written
+    (import thread)          a payload for the ticket arrives: under the landing's lock, if
+                             it is still open, unpack into the blocks and close it; then an
+                             Arrival goes to the loop (take())
+    cancel(ticket)           loop, before it frees the blocks (abort, expiry, failure, drain):
+                             closes the landing, waiting for a write in progress (one unpack at
+                             most), so no write lands in a block once it is freed and reused
+
+A failed transfer (no payload) leaves the landing open: the router retries the prefill with the
+same ticket. A payload of the wrong size is reported and written nowhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.base import KVReceiver, ReceivedKV, TransferHeader, TransferResult
+from kv_transfer.packing import unpack_blocks
+
+logger = logging.getLogger(__name__)
+
+WAIT_S = 0.05
+"""Longest the thread sleeps in receiver.wait() between polls (bounds how long stop() takes;
+an arrival wakes it at once on the gloo and local receivers)."""
+
+Unpack = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[int]], None]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One transfer's outcome, for the engine loop."""
+
+    header: TransferHeader
+    result: TransferResult
+    """FAILED: the transfer broke (nothing written; the ticket stays open for a retry)."""
+    error: str | None
+    """Why a delivered payload was not imported (the request fails); None when it was."""
+    arrived_at: float
+    """Unix time the import finished (or the failure was seen) on this worker."""
+
+
+class _Landing:
+    """Where one ticket's KV goes. `open` is read and written only under `lock`."""
+
+    def __init__(self, block_ids: tuple[int, ...]) -> None:
+        self.block_ids = block_ids
+        self.lock = threading.Lock()
+        self.open = True
+
+
+class KVImporter:
+    """Polls a KVReceiver on its own thread and imports each payload into its ticket's blocks.
+
+    expect/cancel/take are called by the engine loop thread; they never wait for the network,
+    and cancel waits at most for one unpack already under way.
+    """
+
+    def __init__(self, receiver: KVReceiver, kv_caches: Sequence[torch.Tensor],
+                 unpack: Unpack = unpack_blocks) -> None:
+        self._receiver = receiver
+        self._kv_caches = kv_caches
+        self._unpack = unpack
+        self._lock = threading.Lock()
+        self._landings: dict[int, _Landing] = {}  # guarded by _lock
+        self._arrivals: deque[Arrival] = deque()  # appended here, popped by the loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-import", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Bounded: the thread notices within WAIT_S plus the unpack it may be doing."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def open_landings(self) -> int:
+        with self._lock:
+            return len(self._landings)
+
+    # ------------------------------------------------------------ loop thread
+    def expect(self, ticket_id: int, block_ids: Sequence[int]) -> None:
+        """The ticket's KV may be written into `block_ids` from now until cancel()."""
+        with self._lock:
+            self._landings[ticket_id] = _Landing(tuple(block_ids))
+
+    def cancel(self, ticket_id: int) -> None:
+        """Nothing is written into the ticket's blocks after this returns. Idempotent."""
+        with self._lock:
+            landing = self._landings.pop(ticket_id, None)
+        if landing is not None:
+            with landing.lock:  # waits for a write in progress
+                landing.open = False
+
+    def take(self) -> list[Arrival]:
+        """Arrivals since the last call, each returned once, in order."""
+        items = []
+        while self._arrivals:
+            items.append(self._arrivals.popleft())
+        return items
+
+    # ---------------------------------------------------------- import thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._receiver.wait(WAIT_S)
+            for received in self._receiver.poll():
+                try:
+                    arrival = self._import(received)
+                except Exception as exc:  # this ticket fails; the thread and the others go on
+                    logger.exception("importing the KV of ticket %d failed", received.header.ticket_id)
+                    arrival = Arrival(received.header, received.result, f"importing its KV failed: {exc}",
+                                      time.time())
+                if arrival is not None:
+                    self._arrivals.append(arrival)
+
+    def _import(self, received: ReceivedKV) -> Arrival | None:
+        header, payload = received.header, received.payload
+        if payload is None:
+            return Arrival(header, received.result, None, time.time())
+        try:
+            with self._lock:
+                landing = self._landings.get(header.ticket_id)
+            if landing is None:
+                logger.warning("KV for unknown or expired ticket %d dropped", header.ticket_id)
+                return None
+            if header.num_blocks != len(landing.block_ids):
+                return Arrival(header, received.result,
+                               f"got {header.num_blocks} blocks, reserved {len(landing.block_ids)}", time.time())
+            with landing.lock:
+                if not landing.open:  # cancelled, or a second payload for a filled ticket
+                    logger.warning("KV for closed ticket %d dropped", header.ticket_id)
+                    return None
+                landing.open = False
+                self._unpack(payload, self._kv_caches, landing.block_ids)
+            with self._lock:
+                if self._landings.get(header.ticket_id) is landing:
+                    del self._landings[header.ticket_id]
+            return Arrival(header, received.result, None, time.time())
+        finally:
+            self._receiver.recycle(payload)  # copied into blocks (or dropped): D may reuse it
