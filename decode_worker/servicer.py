@@ -66,7 +66,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             yield worker_pb2.DecodeEvent(ticket=worker_pb2.Ticket(
                 ticket_id=ticket.ticket_id, decode_worker_id=self.worker.worker_id,
                 decode_address=self.address, num_cached_tokens=ticket.num_cached_tokens,
-                num_blocks=ticket.num_blocks, incarnation=self.worker.incarnation))
+                num_blocks=ticket.num_blocks, incarnation=self.worker.incarnation,
+                # the router drops the stream's first token by position when it has it already
+                first_token_on_stream=request.stream_first_token and not request.local_prefill))
             while not finished:
                 output = await outputs.get()
                 if isinstance(output, StreamFailed):  # the worker already ended it and freed it
