@@ -79,7 +79,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         cache_dir = Path(config.weights_cache_dir or default_cache_dir())
-        loaded = load_model(config.model, self.dtype, self.device, cache_dir)
+        loaded = load_model(config.model, self.dtype, self.device, cache_dir, config.quantization)
         if config.cpu_packed_weights and self.device.type == "cpu":
             from engine.model.packed_linear import pack_linears
 
