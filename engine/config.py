@@ -74,8 +74,8 @@ class EngineConfig:
     differ from plain F.linear in the last bits). False: plain torch linears."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
-    auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8) blocks quantized when the device has
-    the kernels, else none. int4 / int8: quantize every linear at load (a GGUF's Q4 blocks map
+    auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8) blocks quantized on CPU in bfloat16 /
+    float16 (where torch's kernels are fast), else none (so float32 stays exact). int4 / int8: quantize every linear at load (a GGUF's Q4 blocks map
     onto int4 as they are). none: dequantize to `dtype`. Embeddings and lm_head stay dense."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""

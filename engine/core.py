@@ -33,6 +33,7 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap_pool import SwapPool, swap_blocks_for
 from engine.loader.model_loader import load_model
+from engine.loader.quant_choice import bytes_method
 from engine.loader.weights_cache import default_cache_dir
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
@@ -87,6 +88,7 @@ class EngineCore:
         self.model_path = loaded.path
         self.spec = loaded.spec
         self.load_seconds = loaded.load_seconds
+        self.quantization = loaded.quantization
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or loaded.path)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.spec.eos_token_ids)
         """Tokens that end a request unless ignore_eos (eos and end-of-turn tokens)."""
@@ -129,7 +131,8 @@ class EngineCore:
 
     def _kv_budget_bytes(self) -> int | None:
         """engine.capacity.kv_budget, the rule `pdserve plan` uses too."""
-        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."))
+        counted = bytes_method(self.quantization, self.model_path)
+        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."), counted)
         # The weights are already resident: the memory before them = available now + weights.
         return kv_budget(
             self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights

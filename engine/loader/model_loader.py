@@ -64,7 +64,9 @@ def load_model(
     started = time.perf_counter()
     path = resolve_model_path(model)
     spec = read_spec(path)
-    method = resolve_quantization(quantization, path, device.type, kernels_available(device.type))
+    method = resolve_quantization(
+        quantization, path, device.type, kernels_available(device.type), str(dtype).removeprefix("torch.")
+    )
     if path.is_dir():
         from engine.loader.hf_loader import read_hf_weights
 

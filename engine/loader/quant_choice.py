@@ -17,17 +17,20 @@ def is_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
-def resolve_quantization(quantization: str, path: Path, device_type: str, has_kernel: bool) -> str:
+def resolve_quantization(quantization: str, path: Path, device_type: str, has_kernel: bool, dtype: str) -> str:
     """"none", "int4", "int8", or "gguf" (each linear keeps its GGUF type: auto on a Q4/Q8 GGUF).
 
-    auto keeps a GGUF's quantization when its linears are Q4_x/Q8_0 and the device has a kernel;
-    otherwise none. An explicit int4/int8 where no kernel exists raises ValueError."""
+    auto keeps a GGUF's quantization when its linears are Q4_x/Q8_0 and the device has a kernel
+    for `dtype`: torch's int4/int8 CPU kernels are fast for bfloat16/float16 activations only
+    (their float32 path is a reference loop, 50-100x slower), and float32 is what a user picks
+    for exact results. Otherwise none. An explicit int4/int8 where no kernel exists raises
+    ValueError (float32 then computes those layers in bfloat16)."""
     if quantization in ("int4", "int8"):
         if not has_kernel:
             raise ValueError(f"--quantization {quantization} needs torch's CPU int4/int8 kernels; "
                              f"device {device_type!r} has none here (use --quantization none)")
         return quantization
-    if quantization == "none" or not has_kernel or path.is_dir():
+    if quantization == "none" or not has_kernel or dtype == "float32" or path.is_dir():
         return "none"
     return "gguf" if gguf_linear_types(path) & set(KEPT_GGUF_TYPES) else "none"
 
