@@ -25,6 +25,7 @@ from torch import nn
 INT4_GROUP_SIZE = 32
 """Weights per (scale, zero) group: GGUF's Q4_0/Q4_1/Q8_0 block size, so their blocks map 1:1."""
 _INT4_OFFSET = 8  # the kernel subtracts 8 from every 4-bit code
+_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 
 
 @dataclass(frozen=True)
@@ -93,18 +94,23 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
         self.group_size = weight.group_size
+        if self.in_features % self.group_size:
+            raise ValueError(f"int4 linears need in_features ({self.in_features}) divisible by {self.group_size}")
         self.compute_dtype = _compute_dtype(dtype)
+        # The packing wants a multiple of 16 rows: padded with zero rows, sliced off in forward.
+        pad = -self.out_features % _ROW_MULTIPLE
+        codes, scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in
+                                (weight.codes.to(torch.int32), weight.scales, weight.zeros))
         # inner_k_tiles is ignored by the CPU packing; [out, in // 2] uint8 comes back.
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weight.codes.to(torch.int32).contiguous(), 1))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
         # [in // group_size, out, 2]: the kernel's layout of (scale, zero) pairs.
-        pairs = torch.stack((weight.scales, weight.zeros), -1).transpose(0, 1)
+        pairs = torch.stack((scales, zeros), -1).transpose(0, 1)
         self.register_buffer("scales_and_zeros", pairs.to(self.compute_dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):
@@ -113,6 +119,8 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
+        if self.in_features % 32:  # measured: widths 4 and 8 give inf or crash torch 2.13's kernel
+            raise ValueError(f"int8 linears need in_features divisible by 32, got {self.in_features}")
         self.compute_dtype = _compute_dtype(dtype)
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scales", weight.scales.to(self.compute_dtype))
