@@ -31,21 +31,38 @@ from engine.model.quantized_linear import (
 from engine.model.spec import ModelSpec
 
 
-def read_gguf_quantized(path: Path, spec: ModelSpec, method: str) -> dict[str, QuantizedWeight]:
-    """Every decoder linear of the GGUF as a quantized weight under its HF name (rows of q/k
-    un-permuted as the dense loader does). `method` as resolve_quantization returns it."""
+def read_gguf_quantized(
+    path: Path, spec: ModelSpec, method: str
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """(dense, quantized): the decoder linears as quantized weights under their HF names (rows of
+    q/k un-permuted as the dense loader does), every other tensor dequantized to float32. One pass
+    and no dense copy of the linears, so a worker's memory holds the quantized bytes only.
+    `method` as resolve_quantization returns it. Raises on unknown tensors."""
     import gguf
 
-    out: dict[str, QuantizedWeight] = {}
+    dense: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     for tensor in gguf.GGUFReader(str(path)).tensors:
         name = hf_name(tensor.name)
-        if name is None or not is_linear(name):
+        if name is None:
+            if tensor.name == "rope_freqs.weight":
+                continue  # read into ModelSpec.rope_scaling by read_gguf_spec
+            raise ValueError(f"{path.name}: unexpected tensor {tensor.name!r}")
+        if not is_linear(name):
+            dense[name] = _dequantized(tensor)
             continue
         weight = _quantized(tensor, method)
         if name.endswith("q_proj.weight") or name.endswith("k_proj.weight"):
             weight = _permute_rows(weight, spec.num_heads if "q_proj" in name else spec.num_kv_heads)
-        out[name] = weight
-    return out
+        quantized[name] = weight
+    return dense, quantized
+
+
+def _dequantized(tensor) -> torch.Tensor:
+    import gguf
+
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
 
 
 def _quantized(tensor, method: str) -> QuantizedWeight:
@@ -53,9 +70,7 @@ def _quantized(tensor, method: str) -> QuantizedWeight:
     target = KEPT_GGUF_TYPES.get(kind, "none") if method == "gguf" else method
     if kind in ("Q4_0", "Q4_1") and target == "int4":
         return q4_blocks_to_int4(np.asarray(tensor.data), kind)
-    import gguf
-
-    dense = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+    dense = _dequantized(tensor)
     if target == "int4":
         return quantize_int4(dense)
     return quantize_int8(dense)  # Q8_0 (auto or int8), or any type asked for int8; "none" never gets here

@@ -67,13 +67,7 @@ def load_model(
     method = resolve_quantization(
         quantization, path, device.type, kernels_available(device.type), str(dtype).removeprefix("torch.")
     )
-    if path.is_dir():
-        from engine.loader.hf_loader import read_hf_weights
-
-        weights, from_cache = read_hf_weights(path), False
-    else:
-        weights, from_cache = _gguf_weights(path, spec, cache_dir)
-    quantized = _quantized_weights(path, spec, weights, method)
+    weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method)
     module = build_module(spec, weights, dtype, device, quantized)
     seconds = time.perf_counter() - started
     logger.info(
@@ -84,20 +78,27 @@ def load_model(
     return LoadedModel(module, spec, path, seconds, from_cache, method)
 
 
-def _quantized_weights(path: Path, spec: ModelSpec, weights: dict, method: str) -> dict[str, QuantizedWeight]:
-    """The decoder linears as quantized weights (popped from the dense `weights`, which keeps
-    embeddings, norms and lm_head). A GGUF's Q4 blocks are taken as they are (gguf_quant)."""
-    if method == "none":
-        return {}
-    linears = [name for name in weights if is_linear(name)]
+def _read_weights(
+    path: Path, spec: ModelSpec, cache_dir: Path | None, method: str
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight], bool]:
+    """(dense weights, quantized decoder linears, read from the weights cache). A GGUF kept
+    quantized is read in one pass without the dense cache (engine/loader/gguf_quant.py); an HF
+    folder's linears are quantized here, popped from its dense weights as they go."""
     if path.is_dir():
+        from engine.loader.hf_loader import read_hf_weights
+
+        weights = read_hf_weights(path)
+        if method == "none":
+            return weights, {}, False
         quantize = quantize_int4 if method == "int4" else quantize_int8
-        return {name: quantize(weights.pop(name)) for name in linears}
+        linears = [name for name in weights if is_linear(name)]
+        return weights, {name: quantize(weights.pop(name)) for name in linears}, False
+    if method == "none":
+        weights, from_cache = _gguf_weights(path, spec, cache_dir)
+        return weights, {}, from_cache
     from engine.loader.gguf_quant import read_gguf_quantized
 
-    for name in linears:
-        del weights[name]
-    return read_gguf_quantized(path, spec, method)
+    return (*read_gguf_quantized(path, spec, method), False)
 
 
 def build_module(

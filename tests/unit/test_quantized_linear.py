@@ -85,7 +85,11 @@ def test_gguf_q4_blocks_become_int4_codes_that_dequantize_to_the_gguf_values(tmp
     write_llama_gguf(path, hf_weights(), qtype)
     spec = read_gguf_spec(path)
     dense = read_gguf_weights(path, spec)  # the gguf package's dequantizer, Q/K rows un-permuted
-    quantized = read_gguf_quantized(path, spec, "gguf")
+    rest, quantized = read_gguf_quantized(path, spec, "gguf")
+    assert sorted(rest) == sorted(["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"] + [
+        n for n in dense if "layernorm" in n])
+    for name, tensor in rest.items():
+        assert torch.equal(tensor, torch.from_numpy(dense[name])), name
     assert sorted(quantized) == sorted(n for n in dense if n.startswith("model.layers.") and "_proj" in n)
     for name, weight in quantized.items():
         assert isinstance(weight, Int4Weight) and weight.codes.dtype == torch.uint8, name
@@ -100,7 +104,7 @@ def test_gguf_q8_0_linears_are_requantized_to_int8_per_row(tmp_path: Path):
     write_llama_gguf(path, hf_weights(), QT.Q8_0)
     spec = read_gguf_spec(path)
     dense = read_gguf_weights(path, spec)
-    weight = read_gguf_quantized(path, spec, "gguf")["model.layers.0.mlp.up_proj.weight"]
+    weight = read_gguf_quantized(path, spec, "gguf")[1]["model.layers.0.mlp.up_proj.weight"]
     assert isinstance(weight, Int8Weight)
     ref = torch.from_numpy(dense["model.layers.0.mlp.up_proj.weight"])
     assert (weight.dequantize() - ref).abs().max().item() <= float(weight.scales.max()) / 2 + 1e-6
