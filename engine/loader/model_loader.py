@@ -69,6 +69,8 @@ def load_model(
     )
     weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method)
     module = build_module(spec, weights, dtype, device, quantized)
+    del weights, quantized
+    _return_freed_memory()
     seconds = time.perf_counter() - started
     logger.info(
         "Loaded %s (%s, %.1fM params, %s, quantization %s) in %.2f s%s",
@@ -76,6 +78,18 @@ def load_model(
         method, seconds, " from the weights cache" if from_cache else "",
     )
     return LoadedModel(module, spec, path, seconds, from_cache, method)
+
+
+def _return_freed_memory() -> None:
+    """Give the load's freed temporaries (float32 dequantized copies) back to the OS. glibc keeps
+    freed heap memory for reuse; without this an int4 worker measured 564 MiB RSS after load
+    instead of 430 (its weights are 117 MiB against bfloat16's 256). No-op off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _read_weights(
