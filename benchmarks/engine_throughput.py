@@ -82,6 +82,9 @@ class Config:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--quantization", choices=("none", "auto", "int8", "int4"), default="none",
+                   help="ours: --quantization (none keeps the token-exact comparison with HF; auto keeps the "
+                        "GGUF's Q4_1 blocks as int4 in bfloat16)")
     p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes, comma separated")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode request")
     p.add_argument("--prompt-len-decode", type=int, default=32, help="prompt tokens of decode runs")
@@ -129,6 +132,7 @@ def load_ours(args: argparse.Namespace):
     )
     return LLM(
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=max_model_len,
         max_num_seqs=max(args.batch_sizes + [args.prefill_prompts]),
         max_num_batched_tokens=batch_tokens,
@@ -346,7 +350,9 @@ def method_lines(args, hf_model) -> list[str]:
     linear = type(hf_model.get_output_embeddings()).__name__
     mlp = type(hf_model.model.layers[0].mlp.down_proj).__name__
     return [
-        f"dtype {args.dtype}, {args.threads} threads, median of {args.repeat} runs after 1 warm-up, "
+        f"dtype {args.dtype}, ours --quantization {args.quantization} (resolved: {args.resolved_quantization}; "
+        f"RSS of this process after loading ours, before HF: {args.ours_rss_mib:.0f} MiB), "
+        f"{args.threads} threads, median of {args.repeat} runs after 1 warm-up, "
         f"fresh random prompts (seed {args.seed}) per run.",
         f"decode: prompts of {args.prompt_len_decode} tokens, greedy, eos ignored, "
         f"{args.decode_tokens} new tokens; tok/s = batch * {args.decode_tokens - 1} / decode-phase "
@@ -388,11 +394,21 @@ def report(results: list[Measured], args, hf_model) -> tuple[str, str]:
     return terminal, markdown
 
 
+def rss_mib() -> float:
+    """This process's resident memory now (VmRSS), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     print(f"loading ours ({args.dtype}) ...", flush=True)
     llm = load_ours(args)
+    args.resolved_quantization = llm.engine.core.quantization
+    args.ours_rss_mib = rss_mib()
     print("loading HF transformers ...", flush=True)
     hf_model = load_hf(args.dtype)
     torch.set_num_threads(args.threads)  # the engine set it too; HF runs in this process
@@ -407,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     terminal, markdown = report(results, args, hf_model)
     print("\n" + terminal)
     if not args.no_results:
-        path = append_results(f"engine_throughput ({args.dtype})", markdown)
+        path = append_results(f"engine_throughput ({args.dtype}, --quantization {args.quantization})", markdown)
         print(f"\nappended to {path}")
     return 0
 

@@ -66,13 +66,16 @@ class Sizes:
     """Every 4th request of the mix is a long prompt, the others short chats."""
     mixed_rate: float
     """Poisson arrivals of the mix, requests/s."""
+    batch1_out: int = 128
+    """New tokens of each batch-1 decode request (3 requests, one at a time, 32-token prompts)."""
 
 
 FULL = Sizes(short_in=128, short_out=128, short_count=32, long_in=2048, long_out=32, long_count=8,
              mixed_count=24, mixed_rate=1.0)
 QUICK = Sizes(short_in=64, short_out=16, short_count=4, long_in=1024, long_out=8, long_count=2,
-              mixed_count=4, mixed_rate=2.0)
+              mixed_count=4, mixed_rate=2.0, batch1_out=16)
 LONG_CONCURRENCY = 4
+BATCH1 = "decode batch 1"
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ def workloads(z: Sizes, mixed_jsonl: Path) -> list[Workload]:
                  f"{z.mixed_count} requests from a file, each 4th a long prompt ({z.long_in} tokens in, "
                  f"{z.long_out} out), the others short chats ({z.short_in} in, {z.short_out} out); Poisson "
                  f"arrivals at {z.mixed_rate:g} req/s, at most {slots} in flight"),
+        Workload(BATCH1, (*random, "--random-input-len", "32", "--random-output-len", str(z.batch1_out),
+                          "--num-prompts", "3", "--max-concurrency", "1"),
+                 f"3 random prompts of 32 tokens, {z.batch1_out} new tokens, one at a time: decode tok/s at "
+                 "batch 1 = 1000 / mean ITL ms"),
     ]
 
 
@@ -155,10 +162,11 @@ def check_complete(result: dict, what: str) -> None:
     print(f"  WARNING {message}", flush=True)
 
 
-def pdserve_flags(mode: str, dtype: str) -> list[str]:
+def pdserve_flags(mode: str, dtype: str, quantization: str = "auto") -> list[str]:
     layout = ["--colocated", "--decode", "1", "--num-threads", str(THREADS)] if mode == "colocated" else [
         "--prefill", "1", "--decode", "1", "--num-threads", str(THREADS // 2)]
-    return [*layout, "--dtype", dtype, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(CTX_PER_SLOT)]
+    return [*layout, "--dtype", dtype, "--quantization", quantization, "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-model-len", str(CTX_PER_SLOT)]
 
 
 # ------------------------------------------------------------------ report
@@ -198,18 +206,23 @@ def verdicts(ours: dict[str, dict], peer: dict[str, dict]) -> list[str]:
             better = r > 1 if higher_better else r < 1
             parts.append(f"{column} {r:.2f}x ({'pdserve better' if better else 'llama.cpp better'})")
         lines.append(f"- {load}: " + ", ".join(parts))
+    if BATCH1 in ours:
+        mine, theirs = (1000 / r[BATCH1]["mean_itl_ms"] for r in (ours, peer))
+        lines.append(f"- decode tok/s at batch 1 (1000 / mean ITL): pdserve {mine:.1f}, llama.cpp {theirs:.1f}, "
+                     f"ratio {mine / theirs:.2f}x (goal >= 1.0x)")
     return lines
 
 
 def method_lines(args: argparse.Namespace, model: Path, binary: Path, cores: str, loads: list[Workload],
                  resolved_dtype: str) -> list[str]:
     return [
-        f"- model: {model.name} (the same file for both; Q4_1: llama.cpp computes on the quantized weights, "
-        f"pdserve dequantizes them at load to {resolved_dtype})",
+        f"- model: {model.name} (the same file for both; Q4_1: llama.cpp computes on the quantized weights; "
+        f"pdserve --quantization {args.quantization} (auto: keeps the Q4_1 blocks as torch int4 linears in "
+        f"bfloat16, none: dequantizes them at load), activations {resolved_dtype})",
         f"- llama.cpp: {binary} (llama-cpp-python {binary.parent.parent.name.split('-')[-1]}'s vendored "
         f"source; CPU, GGML_NATIVE=ON, OpenMP), `--parallel {MAX_NUM_SEQS} --ctx-size "
         f"{MAX_NUM_SEQS * CTX_PER_SLOT} --threads {THREADS} --threads-batch {THREADS}`, other settings default",
-        f"- pdserve: `pdserve up {' '.join(pdserve_flags(args.pdserve_mode, args.dtype))}` "
+        f"- pdserve: `pdserve up {' '.join(pdserve_flags(args.pdserve_mode, args.dtype, args.quantization))}` "
         f"({args.pdserve_mode}; router and Redis on the same cores)",
         f"- both pinned with `taskset -c {cores}`, one server at a time",
         "- load: `pdserve bench " + " ".join(common_bench_flags("SmolLM2-135M-Instruct"))
@@ -232,6 +245,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
     parser.add_argument("--pdserve-mode", choices=("colocated", "disaggregated"), default="colocated")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="pdserve's dtype")
+    parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+                        help="pdserve's --quantization (auto keeps the GGUF's Q4_1 blocks as int4 in bfloat16)")
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     exit_on_sigterm()
@@ -252,7 +267,8 @@ def main() -> int:
                                     ctx_per_slot=CTX_PER_SLOT, threads=THREADS, cores=cores)
         peer = bench_server(procs, server, DEFAULT_MODEL_NAME, loads, workdir, args.quick)
         procs.stop(server.proc)
-        server = start_pdserve_up(procs, "pdserve", pdserve_flags(args.pdserve_mode, args.dtype), cores)
+        server = start_pdserve_up(procs, "pdserve", pdserve_flags(args.pdserve_mode, args.dtype, args.quantization),
+                                  cores)
         ours = bench_server(procs, server, DEFAULT_MODEL_NAME, loads, workdir, args.quick)
         procs.stop(server.proc, sig=signal.SIGINT)  # pdserve up's Ctrl-C path stops its children
 
@@ -267,7 +283,8 @@ def main() -> int:
 
     body = "\n".join([markdown_table(headers, rows + ratios), "", *verdicts(ours, peer), "", "Method:", "",
                       *method])
-    path = append_results(f"vs_llamacpp (pdserve {args.pdserve_mode}, {args.dtype})", body)
+    path = append_results(f"vs_llamacpp (pdserve {args.pdserve_mode}, {args.dtype}, "
+                          f"--quantization {args.quantization})", body)
     print(f"\nappended to {path}")
     return 0
 

@@ -20,8 +20,31 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * KV_DTYPE_BYTES[kv_dtype]
 
 
-def weights_bytes(spec: ModelSpec, dtype: str) -> int:
-    return spec.num_params * KV_DTYPE_BYTES[dtype]
+INT4_GROUP_SIZE = 32  # engine.model.quantized_linear's group (a GGUF block); kept torch-free here
+_SCALE_BYTES = 2  # quantized linears keep scales/zeros in their compute dtype: bfloat16 or float16
+
+
+def linear_params(spec: ModelSpec) -> tuple[int, int]:
+    """(weights, output rows) of the decoder layers' linears: what --quantization quantizes."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return spec.num_layers * per_layer, spec.num_layers * (q + 2 * kv + h + 2 * i + h)
+
+
+def weights_bytes(spec: ModelSpec, dtype: str, quantization: str = "none") -> int:
+    """Bytes of the weights as a worker holds them. Embeddings, norms and lm_head are dense in
+    `dtype`; with int4 / int8 the decoder linears take half a byte (plus a bfloat16 scale and
+    zero per 32 weights) / one byte (plus a bfloat16 scale per row) a weight."""
+    if quantization in ("none", "auto"):
+        return spec.num_params * KV_DTYPE_BYTES[dtype]
+    linear, rows = linear_params(spec)
+    dense = (spec.num_params - linear) * KV_DTYPE_BYTES[dtype]
+    if quantization == "int4":
+        return dense + linear // 2 + (linear // INT4_GROUP_SIZE) * 2 * _SCALE_BYTES
+    if quantization == "int8":
+        return dense + linear + rows * _SCALE_BYTES
+    raise ValueError(f"quantization must be none, int8 or int4 here, got {quantization!r}")
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:

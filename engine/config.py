@@ -13,10 +13,12 @@ from typing import Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
 Device = Literal["auto", "cpu", "cuda"]
+Quantization = Literal["auto", "none", "int8", "int4"]
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 
 GiB = 1 << 30
 # On CPU several workers share one host, so the KV budget is a fixed size per worker,
@@ -70,6 +72,11 @@ class EngineConfig:
     cpu_packed_weights: bool = True
     """On CPU, run linears on oneDNN-packed weights (about 2x faster in float32; results
     differ from plain F.linear in the last bits). False: plain torch linears."""
+    quantization: Quantization = "auto"
+    """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
+    auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8) blocks quantized on CPU in bfloat16 /
+    float16 (where torch's kernels are fast), else none (so float32 stays exact). int4 / int8: quantize every linear at load (a GGUF's Q4 blocks map
+    onto int4 as they are). none: dequantize to `dtype`. Embeddings and lm_head stay dense."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
 
@@ -77,6 +84,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len <= 0:

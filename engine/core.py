@@ -34,6 +34,7 @@ from engine.kv_cache.hashing import BlockHash
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap_pool import SwapPool, swap_blocks_for
 from engine.loader.model_loader import load_model
+from engine.loader.quant_choice import bytes_method
 from engine.loader.weights_cache import default_cache_dir
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
@@ -94,7 +95,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         cache_dir = Path(config.weights_cache_dir or default_cache_dir())
-        loaded = load_model(config.model, self.dtype, self.device, cache_dir)
+        loaded = load_model(config.model, self.dtype, self.device, cache_dir, config.quantization)
         if config.cpu_packed_weights and self.device.type == "cpu":
             from engine.model.packed_linear import pack_linears
 
@@ -102,6 +103,7 @@ class EngineCore:
         self.model_path = loaded.path
         self.spec = loaded.spec
         self.load_seconds = loaded.load_seconds
+        self.quantization = loaded.quantization
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or loaded.path)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.spec.eos_token_ids)
         """Tokens that end a request unless ignore_eos (eos and end-of-turn tokens)."""
@@ -144,7 +146,8 @@ class EngineCore:
 
     def _kv_budget_bytes(self) -> int | None:
         """engine.capacity.kv_budget, the rule `pdserve plan` uses too."""
-        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."))
+        counted = bytes_method(self.quantization, self.model_path)
+        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."), counted)
         # The weights are already resident: the memory before them = available now + weights.
         return kv_budget(
             self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights

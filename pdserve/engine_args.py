@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def parse_bytes(text: str) -> int:
@@ -49,6 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache budget, e.g. 2GiB (CPU default: 2GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="exact number of KV blocks (unset: from the memory budget)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="weight-only int4/int8 linears on CPU (auto: keep a GGUF's Q4/Q8 blocks in bfloat16; none: dequantize)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache element type (auto: the model dtype)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -17,20 +17,26 @@ resolve `auto` device/dtype or to read free device memory, with the worker's own
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 from dataclasses import asdict, dataclass
 from fractions import Fraction
+from pathlib import Path
 
 from engine.capacity import (
     KVBudget, KVCapacity, format_bytes, kv_budget, kv_dtype_name, plan_capacity,
-    resolve_max_model_len, weights_bytes,
+    resolve_max_model_len,
 )
 from engine.config import EngineConfig
 from engine.model.spec import ModelSpec
 from pdserve.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from pdserve.plan_traffic import Traffic, max_model_len_warnings, read_traffic
+from pdserve.plan_weights import (
+    WeightsPlacement, check_weights_fit, per_device_spec, place_weights, planned_quantization, weights_rows,
+    weights_share,
+)
 
 CPU_FLOPS_PER_CORE = 50e9
 """Quick default, not a measurement: fp32 FMA (AVX2/AVX-512) at about half of peak. This project's
@@ -106,6 +112,8 @@ class Plan:
     num_params: int
     dtype: str
     weights_bytes: int
+    """The whole model's weights, counted by `weights.quantization`."""
+    weights: WeightsPlacement
     device: DeviceModel
     budget: KVBudget
     kv_cache_dtype: str
@@ -139,17 +147,23 @@ class PlanInputs:
     decode_workers: int | None = None
     device_flops: float | None = None
     device_bandwidth: float | None = None
+    tensor_parallel_size: int = 1
+    cpu_offload_gb: float = 0
 
 
 def build_plan(config: EngineConfig, inputs: PlanInputs, spec: ModelSpec, model_path: str) -> Plan:
-    """The whole plan. Raises ValueError (with the numbers) for settings a worker would refuse."""
+    """The whole plan. Raises ValueError (with the numbers) for settings a worker would refuse;
+    WeightsDoNotFit (a ValueError) when the weights alone exceed a device."""
     device_type, dtype = resolve_device_dtype(config)
     device = device_model(config, device_type, inputs)
-    weights = weights_bytes(spec, dtype)
+    placement = place_weights(spec, dtype, planned_quantization(config, Path(model_path), device_type, dtype),
+                              inputs.tensor_parallel_size, inputs.cpu_offload_gb)
+    check_weights_fit(placement, device.memory_bytes, weights_share(config, device_type), device.memory_source)
+    weights = placement.per_device_bytes
     kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)
     budget = kv_budget(config, device_type, weights, lambda: device.memory_bytes)
     capacity = plan_capacity(
-        spec, kv_dtype=kv_dtype, block_size=config.block_size,
+        per_device_spec(spec, placement), kv_dtype=kv_dtype, block_size=config.block_size,
         max_model_len=resolve_max_model_len(spec, config.max_model_len),
         kv_budget_bytes=budget.num_bytes, num_blocks_override=config.num_gpu_blocks_override,
     )
@@ -161,12 +175,16 @@ def build_plan(config: EngineConfig, inputs: PlanInputs, spec: ModelSpec, model_
             f"the device memory ({format_bytes(device.memory_bytes)}, {device.memory_source})."
         )
     if inputs.traffic is not None:
-        pd = estimate_pd(spec, weights, capacity, inputs.traffic, device, config)
+        # Each of the tp devices reads its share of the weights and does 1/tp of the FLOPs: one
+        # device tp times as fast; offloaded bytes are read too (streamed in each forward).
+        tp = placement.tensor_parallel_size
+        fast = dataclasses.replace(device, flops=device.flops * tp)
+        pd = estimate_pd(spec, weights + placement.cpu_offload_bytes, capacity, inputs.traffic, fast, config)
         sizing = size_workers(pd, inputs.prefill_workers, inputs.decode_workers)
         warnings += max_model_len_warnings(capacity, inputs.traffic, spec.max_position_embeddings)
     return Plan(
         model_name=spec.name, model_path=model_path, num_params=spec.num_params, dtype=dtype,
-        weights_bytes=weights, device=device, budget=budget, kv_cache_dtype=kv_dtype,
+        weights_bytes=placement.total_bytes, weights=placement, device=device, budget=budget, kv_cache_dtype=kv_dtype,
         capacity=capacity, traffic=inputs.traffic, pd=pd, sizing=sizing, warnings=tuple(warnings),
     )
 
@@ -264,6 +282,7 @@ def render(plan: Plan) -> str:
         ("Parameters:", f"{plan.num_params:,}"),
         ("Device:", f"{dev.type}, {format_bytes(dev.memory_bytes)} ({dev.memory_source})"),
         (f"Weights memory ({plan.dtype}):", format_bytes(plan.weights_bytes)),
+        *weights_rows(plan.weights),
         ("KV budget:", _budget_text(plan.budget)),
         (f"KV bytes per token ({plan.kv_cache_dtype}):", f"{cap.bytes_per_token:,}"),
         ("Blocks x block size:", f"{cap.num_blocks:,} x {cap.block_size}"),
@@ -348,6 +367,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-workers", type=int, default=None, help="size the prefill side for these")
     g.add_argument("--device-flops", type=float, default=None, help="FLOP/s a step reaches, e.g. 4e14")
     g.add_argument("--device-bandwidth", type=float, default=None, help="memory bytes/s, e.g. 3.35e12")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices one worker's weights and KV heads are split over (vLLM's meaning)")
+    g.add_argument("--cpu-offload-gb", type=float, default=0,
+                   help="GiB of each device's weights kept in CPU memory (vLLM's meaning)")
     g.add_argument("--json", action="store_true", help="machine-readable output")
     g.add_argument("--live", default=None, metavar="URL",
                    help="ask a running router (e.g. http://127.0.0.1:8000) for its live recommendation instead")
@@ -386,5 +409,6 @@ def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     return PlanInputs(
         device_memory=args.device_memory, traffic=traffic, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, device_flops=args.device_flops,
-        device_bandwidth=args.device_bandwidth,
+        device_bandwidth=args.device_bandwidth, tensor_parallel_size=args.tensor_parallel_size,
+        cpu_offload_gb=args.cpu_offload_gb,
     )

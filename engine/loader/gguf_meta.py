@@ -117,3 +117,13 @@ def read_gguf_f32_tensor(path: str | Path, name: str) -> tuple[float, ...] | Non
     with open(path, "rb") as f:
         f.seek(start + offset)
         return struct.unpack(f"<{count}f", f.read(4 * count))
+
+
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+"""ggml's type ids (ggml.h) by name; the others read as "type N"."""
+
+
+def read_gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """{tensor name: ggml type name} from the header alone (no tensor data, no torch)."""
+    return {name: GGML_TYPE_NAMES.get(kind, f"type {kind}") for name, (_, kind, _) in _tensor_infos(path)[0].items()}

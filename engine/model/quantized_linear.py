@@ -1,0 +1,155 @@
+"""Weight-only quantized CPU linears: weights stay int4 / int8 in memory and in the matmul.
+
+A decode step at batch 1 reads every weight once, so its speed is the bytes it reads: int4
+reads a quarter of bfloat16's. The kernels are torch's own CPU ones:
+
+    int4  torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+          w = (q - 8) * scale + zero, q in 0..15, one (scale, zero) per `group_size` weights of a row
+          (measured against this formula in tests/unit/test_quantized_linear.py)
+    int8  torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+          w = q * scale, q in -128..127, one scale per output row
+
+Both run fast for bfloat16 / float16 activations; their float32 paths are reference loops
+(50-100x slower on this project's EPYC), so a float32 model computes these layers in bfloat16.
+Scales and zeros are stored in that compute dtype, the one rounding the GGUF mapping cannot avoid
+(engine/loader/gguf_quant.py says where each GGUF format lands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+INT4_GROUP_SIZE = 32
+"""Weights per (scale, zero) group: GGUF's Q4_0/Q4_1/Q8_0 block size, so their blocks map 1:1."""
+_INT4_OFFSET = 8  # the kernel subtracts 8 from every 4-bit code
+_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A [out, in] weight as 4-bit codes: w[r, c] = (codes[r, c] - 8) * scales[r, g] + zeros[r, g],
+    g = c // group_size. Rows may be permuted like any weight (each row carries its own groups)."""
+
+    codes: torch.Tensor  # [out, in] uint8 in 0..15
+    scales: torch.Tensor  # [out, in // group_size] float32
+    zeros: torch.Tensor  # [out, in // group_size] float32
+    group_size: int = INT4_GROUP_SIZE
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these codes stand for (tests, and re-quantizing to int8)."""
+        g = self.group_size
+        q = self.codes.to(torch.float32) - _INT4_OFFSET
+        return q * self.scales.repeat_interleave(g, 1) + self.zeros.repeat_interleave(g, 1)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A [out, in] weight as w[r, c] = codes[r, c] * scales[r]."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] float32
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.to(torch.float32) * self.scales[:, None]
+
+
+QuantizedWeight = Int4Weight | Int8Weight
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+    """Asymmetric min/max quantization per group (what an HF folder or a non-Q4 GGUF tensor gets):
+    the group's min and max are represented exactly up to rounding of the scale."""
+    out, cols = weight.shape
+    if cols % group_size:
+        raise ValueError(f"int4 needs in_features ({cols}) to be a multiple of {group_size}")
+    groups = weight.detach().to(torch.float32).reshape(out, cols // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp_min(1e-12)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15)
+    return Int4Weight(
+        codes.to(torch.uint8).reshape(out, cols), scales, low + _INT4_OFFSET * scales, group_size
+    )
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-row quantization: scale = max |w| / 127."""
+    w = weight.detach().to(torch.float32)
+    scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    codes = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(codes, scales)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' fast activation dtypes (module docstring); float32 computes in bfloat16."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T with W as packed int4 codes and per-group scales and zeros (no bias)."""
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        self.group_size = weight.group_size
+        if self.in_features % self.group_size:
+            raise ValueError(f"int4 linears need in_features ({self.in_features}) divisible by {self.group_size}")
+        self.compute_dtype = _compute_dtype(dtype)
+        # The packing wants a multiple of 16 rows: padded with zero rows, sliced off in forward.
+        pad = -self.out_features % _ROW_MULTIPLE
+        codes, scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in
+                                (weight.codes.to(torch.int32), weight.scales, weight.zeros))
+        # inner_k_tiles is ignored by the CPU packing; [out, in // 2] uint8 comes back.
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        # [in // group_size, out, 2]: the kernel's layout of (scale, zero) pairs.
+        pairs = torch.stack((scales, zeros), -1).transpose(0, 1)
+        self.register_buffer("scales_and_zeros", pairs.to(self.compute_dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+        return y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T with W as int8 codes and one scale per output row (no bias)."""
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        if self.in_features % 32:  # measured: widths 4 and 8 give inf or crash torch 2.13's kernel
+            raise ValueError(f"int8 linears need in_features divisible by 32, got {self.in_features}")
+        self.compute_dtype = _compute_dtype(dtype)
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", weight.scales.to(self.compute_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype) -> nn.Module:
+    return Int4Linear(weight, dtype) if isinstance(weight, Int4Weight) else Int8Linear(weight, dtype)
+
+
+def kernels_available(device_type: str) -> bool:
+    """Whether this build has the CPU kernels (the only device this module serves)."""
+    aten = torch.ops.aten
+    return device_type == "cpu" and all(
+        hasattr(aten, op) for op in
+        ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm")
+    )
+
+
+def install_quantized_linears(module: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype) -> None:
+    """Replace each linear named in `weights` (HF parameter names, `...q_proj.weight`) by its
+    quantized module. Mutates `module`, at load time only; raises KeyError for an unknown name."""
+    for name, weight in weights.items():
+        parent_name, _, child = name.removesuffix(".weight").rpartition(".")
+        parent = module.get_submodule(parent_name)
+        if not isinstance(getattr(parent, child), nn.Linear):
+            raise KeyError(f"{name} is not a linear of {type(module).__name__}")
+        setattr(parent, child, quantized_linear(weight, dtype))

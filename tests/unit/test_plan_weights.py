@@ -1,0 +1,100 @@
+"""`pdserve plan` with quantized weights, tensor parallelism and CPU offload: exact weight bytes,
+per-device KV heads, and "the weights alone do not fit" said as such (not "raise the KV cache")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.capacity import weights_bytes
+from pdserve.cli import main
+from tests.unit.test_capacity import smollm2_like
+
+GiB = 1 << 30
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "_name_or_path": "llama-70b-shape", "vocab_size": 128256,
+             "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+             "tie_word_embeddings": False}
+LLAMA_8B = {**LLAMA_70B, "_name_or_path": "llama-8b-shape", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32}
+GPU_BF16 = ["--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "8192"]
+
+
+def model_dir(tmp_path: Path, config: dict) -> str:
+    folder = tmp_path / config["_name_or_path"]
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))  # the shape only: plan reads no weights
+    return str(folder)
+
+
+def plan_json(capsys, *flags: str) -> dict:
+    assert main(["plan", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def plan_error(capsys, *flags: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *flags])
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_weights_bytes_count_int4_and_int8_linears_with_their_scales():
+    spec = smollm2_like()  # 106,168,320 linear weights in 155,520 rows; 28,346,688 dense parameters
+    assert weights_bytes(spec, "bfloat16", "none") == 269_030_016
+    # dense 28,346,688 x 2 + linears / 2 + (linears / 32) x (scale + zero) x 2 B
+    assert weights_bytes(spec, "bfloat16", "int4") == 56_693_376 + 53_084_160 + 13_271_040 == 123_048_576
+    assert weights_bytes(spec, "bfloat16", "int8") == 56_693_376 + 106_168_320 + 311_040 == 163_172_736
+    assert weights_bytes(spec, "float32", "int4") == 113_386_752 + 53_084_160 + 13_271_040
+
+
+def test_a_70b_model_fits_4x80gb_at_8192_with_tensor_parallel_4(tmp_path, capsys):
+    out = plan_json(capsys, "--model", model_dir(tmp_path, LLAMA_70B), *GPU_BF16, "--device-memory", "80GiB",
+                    "--tensor-parallel-size", "4")
+    assert out["num_params"] == 70_553_706_496 and out["weights_bytes"] == 141_107_412_992
+    w = out["weights"]
+    assert (w["quantization"], w["tensor_parallel_size"], w["per_device_bytes"], w["kv_heads_per_device"]) == (
+        "none", 4, 35_276_853_248, 2)
+    # 0.9 x 80 GiB - 35,276,853,248 B = 42,032,558,080 B of KV per GPU; 2 x 80 layers x 2 heads x 128 x 2 B
+    assert out["budget"]["num_bytes"] == 42_032_558_080
+    assert (out["capacity"]["bytes_per_token"], out["capacity"]["num_blocks"]) == (81_920, 32_068)
+    assert out["capacity"]["num_tokens"] == 513_088 and out["warnings"] == []
+
+
+def test_a_70b_model_on_one_80gb_gpu_is_refused_because_of_its_weights(tmp_path, capsys):
+    err = plan_error(capsys, "--model", model_dir(tmp_path, LLAMA_70B), *GPU_BF16, "--device-memory", "80GiB")
+    assert err == (
+        "pdserve plan: error: the weights alone do not fit one device: 131.4 GiB of dense weights = 131.4 GiB "
+        "per device, more than 0.9 x 80.0 GiB (--device-memory) = 72.0 GiB, before any KV cache. Raise "
+        "--tensor-parallel-size, give --cpu-offload-gb at least 59.5, or use --quantization int4.")
+
+
+def test_an_8b_model_in_7gb_needs_int4_and_cpu_offload(tmp_path, capsys):
+    folder = model_dir(tmp_path, LLAMA_8B)
+    flags = ["--model", folder, *GPU_BF16, "--device-memory", "7GiB"]
+    assert "the weights alone do not fit one device: 15.0 GiB of dense weights" in plan_error(capsys, *flags)
+    # int4 weights (6.0 GiB) fit 0.9 x 7 GiB, but leave 2,288 tokens of KV: less than one request
+    assert "KV cache too small: 143 blocks x 16 = 2,288 tokens" in plan_error(capsys, *flags, "--quantization", "int4")
+    out = plan_json(capsys, *flags, "--quantization", "int4", "--cpu-offload-gb", "2")
+    w = out["weights"]
+    # int4: 1,050,939,392 dense params (embeddings, lm_head, norms) x 2 B + 6,979,321,856 linears x 0.625 B
+    assert (w["total_bytes"], w["cpu_offload_bytes"], w["per_device_bytes"]) == (
+        6_463_954_944, 2 * GiB, 4_316_471_296)
+    assert out["budget"]["num_bytes"] == int(0.9 * 7 * GiB) - 4_316_471_296
+    assert (out["capacity"]["num_blocks"], out["capacity"]["max_concurrency"]) == (1_167, 2.279296875)
+
+
+def test_tensor_parallel_must_split_the_heads(tmp_path, capsys):
+    err = plan_error(capsys, "--model", model_dir(tmp_path, LLAMA_8B), *GPU_BF16, "--device-memory", "80GiB",
+                     "--tensor-parallel-size", "3")
+    assert err == "pdserve plan: error: --tensor-parallel-size 3 does not divide the model's 32 attention heads"
+
+
+def test_auto_on_the_default_q4_gguf_counts_int4_on_cpu_in_bfloat16_and_dense_in_float32(capsys):
+    cpu = ["--device", "cpu", "--device-memory", "8GiB", "--max-model-len", "2048"]
+    bf16 = plan_json(capsys, *cpu, "--dtype", "bfloat16")
+    assert (bf16["weights"]["quantization"], bf16["weights_bytes"]) == ("int4", 123_048_576)
+    f32 = plan_json(capsys, *cpu, "--dtype", "float32")
+    assert (f32["weights"]["quantization"], f32["weights_bytes"]) == ("none", 538_060_032)
