@@ -215,6 +215,9 @@ class ClusterBackend:
                 else:
                     late_prefill, pending, skip = race.prefill, race.pending_read, race.skip
                     first = race.first
+                    if race.from_stream:  # the decode worker's own cache hit; the prefill's comes later
+                        first = replace(first, num_cached_tokens=admitted.ticket.num_cached_tokens)
+                    first = await self._with_prefill_cache_hit(first, late_prefill)
                     generated += len(first.token_ids)
                     finished = first.finish_reason is not None
                     trace.mark("first_token")
@@ -229,6 +232,7 @@ class ClusterBackend:
                 delta, skip = skip_delivered(stream_delta(event, path, route), skip)
                 if delta is None:
                     continue
+                delta = await self._with_prefill_cache_hit(delta, late_prefill)
                 if untold is not None:
                     trace.mark("first_token")
                     delta, untold = replace(delta, trace=trace), None
@@ -269,6 +273,21 @@ class ClusterBackend:
         if race.first is not None:
             trace.prefill["first_token_from"] = "stream" if race.from_stream else "prefill_reply"
         return race
+
+    async def _with_prefill_cache_hit(self, delta: TokenDelta, late_prefill: asyncio.Task | None) -> TokenDelta:
+        """When the stream brought the first token, the Prefill reply (with the prefill worker's
+        prefix-cache hit, part of the usage's cached tokens) may still be on its way: it rides on
+        the first delta after it arrives, and the final delta waits for it (bounded)."""
+        if late_prefill is None:
+            return delta
+        if delta.finish_reason is not None and not late_prefill.done():
+            await asyncio.wait({late_prefill}, timeout=self.timeouts.abort_s)
+        if not late_prefill.done() or late_prefill.cancelled() or late_prefill.exception() is not None:
+            return delta
+        reply = late_prefill.result()
+        if reply is None or reply.num_cached_tokens <= delta.num_cached_tokens:
+            return delta
+        return replace(delta, num_cached_tokens=reply.num_cached_tokens)
 
     def _first_read_s(self, path: str) -> float:
         """After a local admission the decode worker computes the prompt before its first token."""
