@@ -82,8 +82,8 @@ class Config:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quantization", choices=("none", "auto", "int8", "int4"), default="none",
-                   help="ours: --quantization (none keeps the token-exact comparison with HF; auto keeps the "
+    p.add_argument("--quantization", choices=("none", "auto", "gguf", "int8", "int4"), default="none",
+                   help="ours: --quantization (none keeps the token-exact comparison with HF; gguf keeps the "
                         "GGUF's Q4_1 blocks as int4 in bfloat16)")
     p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes, comma separated")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode request")

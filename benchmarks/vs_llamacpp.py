@@ -217,8 +217,8 @@ def method_lines(args: argparse.Namespace, model: Path, binary: Path, cores: str
                  resolved_dtype: str) -> list[str]:
     return [
         f"- model: {model.name} (the same file for both; Q4_1: llama.cpp computes on the quantized weights; "
-        f"pdserve --quantization {args.quantization} (auto: keeps the Q4_1 blocks as torch int4 linears in "
-        f"bfloat16, none: dequantizes them at load), activations {resolved_dtype})",
+        f"pdserve --quantization {args.quantization} (gguf: keeps the Q4_1 blocks as torch int4 linears in "
+        f"bfloat16; auto and none: dequantize them at load), activations {resolved_dtype})",
         f"- llama.cpp: {binary} (llama-cpp-python {binary.parent.parent.name.split('-')[-1]}'s vendored "
         f"source; CPU, GGML_NATIVE=ON, OpenMP), `--parallel {MAX_NUM_SEQS} --ctx-size "
         f"{MAX_NUM_SEQS * CTX_PER_SLOT} --threads {THREADS} --threads-batch {THREADS}`, other settings default",
@@ -245,8 +245,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
     parser.add_argument("--pdserve-mode", choices=("colocated", "disaggregated"), default="colocated")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="pdserve's dtype")
-    parser.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
-                        help="pdserve's --quantization (auto keeps the GGUF's Q4_1 blocks as int4 in bfloat16)")
+    parser.add_argument("--quantization", choices=("auto", "none", "gguf", "int8", "int4"), default="auto",
+                        help="pdserve's --quantization (gguf keeps the GGUF's Q4_1 blocks as int4; auto: dense)")
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     exit_on_sigterm()

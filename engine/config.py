@@ -13,12 +13,12 @@ from typing import Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
 Device = Literal["auto", "cpu", "cuda"]
-Quantization = Literal["auto", "none", "int8", "int4"]
+Quantization = Literal["auto", "none", "gguf", "int8", "int4"]
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
 
 GiB = 1 << 30
 # On CPU several workers share one host, so the KV budget is a fixed size per worker,
@@ -74,9 +74,10 @@ class EngineConfig:
     differ from plain F.linear in the last bits). False: plain torch linears."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
-    auto: keep a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8) blocks quantized on CPU in bfloat16 /
-    float16 (where torch's kernels are fast), else none (so float32 stays exact). int4 / int8: quantize every linear at load (a GGUF's Q4 blocks map
-    onto int4 as they are). none: dequantize to `dtype`. Embeddings and lm_head stay dense."""
+    auto and none: dense in `dtype` (a GGUF is dequantized; measured faster than torch's int4 CPU
+    kernel when served, engine/loader/quant_choice.py). gguf: keep a GGUF's Q4_0/Q4_1 (int4) and
+    Q8_0 (int8) blocks as they are. int4 / int8: quantize every linear at load. Quantized
+    linears compute in bfloat16. Embeddings and lm_head stay dense."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
 

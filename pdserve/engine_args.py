@@ -50,7 +50,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="exact number of KV blocks (unset: from the memory budget)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                   help="weight-only int4/int8 linears on CPU (auto: keep a GGUF's Q4/Q8 blocks in bfloat16; none: dequantize)")
+                   help="weight-only int4/int8 linears on CPU (gguf: keep a GGUF's Q4/Q8 blocks; int4/int8: quantize at load; "
+                        "auto and none: dense, measured faster with torch's CPU kernels)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache element type (auto: the model dtype)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -1,7 +1,7 @@
 """Where `pdserve plan` puts the weights: quantization, tensor parallelism, CPU offload.
 
     bytes       engine.capacity.weights_bytes by the quantization a worker would load with
-                (--quantization; auto resolved from the file's header as a worker resolves it).
+                (--quantization; gguf resolved from the file's header as a worker resolves it).
     --tensor-parallel-size N   (vLLM's meaning) weights split evenly over N GPUs, and the KV
                 heads too: each GPU holds num_kv_heads / N of them (one when N > num_kv_heads,
                 replicated as vLLM does), so each GPU's KV cache holds every token's share.
@@ -34,7 +34,7 @@ class WeightsPlacement:
     quantization: str
     """How the bytes were counted: none, int8 or int4."""
     quantization_source: str
-    """Why, e.g. "--quantization auto: the GGUF's Q4_1 linears kept as int4"."""
+    """Why, e.g. "--quantization gguf: the GGUF's quantized linears kept (int4)"."""
     total_bytes: int
     """The whole model's weights."""
     tensor_parallel_size: int
@@ -83,11 +83,11 @@ def planned_quantization(config: EngineConfig, path: Path, device_type: str, dty
 
     if config.quantization in ("int4", "int8", "none"):
         return config.quantization, f"--quantization {config.quantization}"
-    method = resolve_quantization("auto", path, device_type, device_type == "cpu", dtype)
-    if method == "none":
-        return "none", f"--quantization auto: dense {dtype} (Q4/Q8 GGUF linears on CPU in bfloat16 stay quantized)"
+    if config.quantization == "auto":
+        return "none", f"--quantization auto: dense {dtype} (--quantization gguf keeps a GGUF's Q4/Q8 linears)"
+    method = resolve_quantization("gguf", path, "cpu", True, dtype)  # raises for a file without Q4/Q8 linears
     counted = bytes_method(method, path)
-    return counted, f"--quantization auto: the GGUF's quantized linears kept ({counted})"
+    return counted, f"--quantization gguf: the GGUF's quantized linears kept ({counted})"
 
 
 def weights_share(config: EngineConfig, device_type: str) -> float:

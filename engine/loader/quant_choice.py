@@ -18,21 +18,29 @@ def is_linear(name: str) -> bool:
 
 
 def resolve_quantization(quantization: str, path: Path, device_type: str, has_kernel: bool, dtype: str) -> str:
-    """"none", "int4", "int8", or "gguf" (each linear keeps its GGUF type: auto on a Q4/Q8 GGUF).
+    """"none", "int4", "int8", or "gguf" (each linear keeps its GGUF type, Q4_x/Q8_0).
 
-    auto keeps a GGUF's quantization when its linears are Q4_x/Q8_0 and the device has a kernel
-    for `dtype`: torch's int4/int8 CPU kernels are fast for bfloat16/float16 activations only
-    (their float32 path is a reference loop, 50-100x slower), and float32 is what a user picks
-    for exact results. Otherwise none. An explicit int4/int8 where no kernel exists raises
-    ValueError (float32 then computes those layers in bfloat16)."""
+    auto is dense (none): served through pdserve on this project's 2-core CPU, torch's int4
+    kernel was slower than oneDNN-packed bfloat16 at every batch (benchmarks/RESULTS.md,
+    vs_llamacpp 2026-11-24: 0.22x llama.cpp's batch-1 decode with int4; long prompts 0.92x
+    against 1.63x dense), so keeping the blocks is asked for explicitly with "gguf" (vLLM's
+    name). Its float32 path is a reference loop, 50-100x slower, so gguf and int4/int8 compute
+    in bfloat16. gguf, int4 or int8 where no kernel exists, or gguf on a file without Q4/Q8
+    linears, raises ValueError."""
+    if quantization == "gguf":
+        if not has_kernel:
+            raise ValueError(f"--quantization gguf needs torch's CPU int4/int8 kernels; device {device_type!r} "
+                             "has none here (use --quantization none)")
+        if path.is_dir() or not gguf_linear_types(path) & set(KEPT_GGUF_TYPES):
+            raise ValueError(f"--quantization gguf needs a GGUF file whose linears are "
+                             f"{'/'.join(KEPT_GGUF_TYPES)}; {path} has none")
+        return "gguf"
     if quantization in ("int4", "int8"):
         if not has_kernel:
             raise ValueError(f"--quantization {quantization} needs torch's CPU int4/int8 kernels; "
                              f"device {device_type!r} has none here (use --quantization none)")
         return quantization
-    if quantization == "none" or not has_kernel or dtype == "float32" or path.is_dir():
-        return "none"
-    return "gguf" if gguf_linear_types(path) & set(KEPT_GGUF_TYPES) else "none"
+    return "none"
 
 
 def gguf_linear_types(path: Path) -> set[str]:

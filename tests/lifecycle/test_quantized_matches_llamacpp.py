@@ -1,4 +1,4 @@
-"""The int4 path (--quantization auto on the default Q4_1 GGUF: its blocks kept as int4 linears)
+"""The int4 path (--quantization gguf on the default Q4_1 GGUF: its blocks kept as int4 linears)
 against llama.cpp on the same file: the 30 prompts of tests/real_model.py, 48 greedy tokens each.
 
 The reference is tests/fixtures/llamacpp_greedy_smollm2.json (make_llamacpp_greedy.py records it
@@ -46,7 +46,7 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]
 
 
 def test_int4_first_token_is_llamacpps_top1_and_greedy_tokens_agree(reference, record_property, capsys):
-    llm = LLM(dtype="bfloat16", quantization="auto", max_model_len=1024, num_threads=2)
+    llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=1024, num_threads=2)
     assert llm.engine.core.quantization == "gguf"  # Q4_1 blocks kept as int4
     prompts = [p["prompt_ids"] for p in reference["prompts"]]
     ours = _greedy_tokens(llm, prompts, 48)

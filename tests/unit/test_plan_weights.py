@@ -92,9 +92,11 @@ def test_tensor_parallel_must_split_the_heads(tmp_path, capsys):
     assert err == "pdserve plan: error: --tensor-parallel-size 3 does not divide the model's 32 attention heads"
 
 
-def test_auto_on_the_default_q4_gguf_counts_int4_on_cpu_in_bfloat16_and_dense_in_float32(capsys):
+def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_dense(capsys):
     cpu = ["--device", "cpu", "--device-memory", "8GiB", "--max-model-len", "2048"]
+    kept = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf")
+    assert (kept["weights"]["quantization"], kept["weights_bytes"]) == ("int4", 123_048_576)
     bf16 = plan_json(capsys, *cpu, "--dtype", "bfloat16")
-    assert (bf16["weights"]["quantization"], bf16["weights_bytes"]) == ("int4", 123_048_576)
+    assert (bf16["weights"]["quantization"], bf16["weights_bytes"]) == ("none", 269_030_016)
     f32 = plan_json(capsys, *cpu, "--dtype", "float32")
     assert (f32["weights"]["quantization"], f32["weights_bytes"]) == ("none", 538_060_032)

@@ -110,13 +110,18 @@ def test_gguf_q8_0_linears_are_requantized_to_int8_per_row(tmp_path: Path):
     assert (weight.dequantize() - ref).abs().max().item() <= float(weight.scales.max()) / 2 + 1e-6
 
 
-def test_auto_keeps_a_q4_gguf_quantized_in_bfloat16_on_cpu_and_dense_otherwise(tmp_path: Path):
+def test_gguf_keeps_a_q4_gguf_quantized_on_cpu_and_auto_is_dense(tmp_path: Path):
     q4, f32 = tmp_path / "q4.gguf", tmp_path / "f32.gguf"
     write_llama_gguf(q4, hf_weights(), QT.Q4_1)
     write_llama_gguf(f32, hf_weights(), QT.F32)
-    assert resolve_quantization("auto", q4, "cpu", True, "bfloat16") == "gguf"
+    assert resolve_quantization("gguf", q4, "cpu", True, "bfloat16") == "gguf"
+    assert resolve_quantization("auto", q4, "cpu", True, "bfloat16") == "none"  # measured faster dense
     assert resolve_quantization("auto", q4, "cpu", True, "float32") == "none"  # float32 stays exact
     assert resolve_quantization("auto", q4, "cuda", False, "bfloat16") == "none"
+    with pytest.raises(ValueError, match="--quantization gguf needs a GGUF file whose linears are Q4_0/Q4_1/Q8_0"):
+        resolve_quantization("gguf", f32, "cpu", True, "bfloat16")
+    with pytest.raises(ValueError, match="--quantization gguf needs torch's CPU int4/int8 kernels"):
+        resolve_quantization("gguf", q4, "cuda", False, "bfloat16")
     assert resolve_quantization("auto", f32, "cpu", True, "bfloat16") == "none"
     assert resolve_quantization("auto", tmp_path, "cpu", True, "bfloat16") == "none"  # HF folder
     assert resolve_quantization("int8", f32, "cpu", True, "float32") == "int8"
@@ -139,7 +144,7 @@ def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method,
 
 
 def test_quantization_is_a_checked_engine_setting_that_specs_pass_on():
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4; got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8, int4; got 'int3'"):
         EngineConfig(quantization="int3")  # type: ignore[arg-type]
     assert engine_argv(EngineConfig(quantization="int4")) == ["--quantization", "int4"]
     assert engine_argv(EngineConfig()) == []  # auto is the default
