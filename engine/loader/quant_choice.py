@@ -21,10 +21,9 @@ def resolve_quantization(quantization: str, path: Path, device_type: str, has_ke
     """"none", "int4", "int8", or "gguf" (each linear keeps its GGUF type, Q4_x/Q8_0).
 
     auto is dense (none): served through pdserve on this project's 2-core CPU, torch's int4
-    kernel was slower than oneDNN-packed bfloat16 at every batch (benchmarks/RESULTS.md,
-    vs_llamacpp 2026-11-24: 0.22x llama.cpp's batch-1 decode with int4; long prompts 0.92x
-    against 1.63x dense), so keeping the blocks is asked for explicitly with "gguf" (vLLM's
-    name). Its float32 path is a reference loop, 50-100x slower, so gguf and int4/int8 compute
+    kernel beat oneDNN-packed bfloat16 only at batch 1 and lost on long and mixed traffic
+    (benchmarks/RESULTS.md, vs_llamacpp 2026-11-24: long prompts 0.92x llama.cpp with int4,
+    1.35x dense), so keeping the blocks is asked for explicitly with "gguf" (vLLM's name). Its float32 path is a reference loop, 50-100x slower, so gguf and int4/int8 compute
     in bfloat16. gguf, int4 or int8 where no kernel exists, or gguf on a file without Q4/Q8
     linears, raises ValueError."""
     if quantization == "gguf":
