@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -280,20 +281,50 @@ def busy_port(args: argparse.Namespace) -> str | None:
 
 
 
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+
+def client_host(host: str) -> str:
+    """The host a client on this machine connects to when the router binds `host`: a wildcard
+    bind becomes 127.0.0.1 (browsers refuse http://0.0.0.0), an IPv6 literal gets brackets."""
+    if host in WILDCARD_HOSTS:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name the router serves the model under (pdserve/router_main.py's rule), for the hint."""
+    from engine.loader.locate import DEFAULT_MODEL_NAME, resolve_model_path
+
+    if args.served_model_name or args.model is None:
+        return args.served_model_name or DEFAULT_MODEL_NAME
+    try:
+        return resolve_model_path(args.model).stem
+    except FileNotFoundError:  # not on this machine (Ray places the workers): the path's own name
+        return Path(args.model).stem
+
+
+def banner(args: argparse.Namespace, where: str) -> str:
+    """What `pdserve up` prints once everything serves: where to call it, where to watch it
+    (the router always serves the dashboard), how to scale it, and `where` (the cluster's own
+    line)."""
+    host = client_host(args.host)
+    base = f"http://{host}:{args.port}"
+    body = {"model": served_model_name(args), "messages": [{"role": "user", "content": "Hello!"}]}
+    return (f"\npdserve is up: OpenAI API {base}/v1 , gRPC {host}:{args.grpc_port}"
+            f"\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+            f"\n  dashboard: {base}/dashboard"
+            f"\n  scale: pdserve scale prefill=2 decode=2 --url {base}"
+            f"\n{where}\n")
+
+
 def run_up(args: argparse.Namespace, cluster_class: type[LocalCluster] = LocalCluster) -> int:
     signals = Signals()
     signals.install()  # also when SIGINT was inherited ignored (`make run &`)
     cluster = cluster_class(args, signals)
     try:
         cluster.start()
-        print(
-            f"\npdserve is up: OpenAI API http://{args.host}:{args.port}/v1 , gRPC {args.host}:{args.grpc_port}"
-            f"\n  curl http://{args.host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json' "
-            """-d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hello!"}]}'"""
-            f"\n  scale: pdserve scale prefill=2 decode=2 --url http://{args.host}:{args.port}"
-            f"\n{cluster.describe()}\n",
-            flush=True,
-        )
+        print(banner(args, cluster.describe()), flush=True)
         return cluster.wait()
     except Stopping:
         return 0
