@@ -151,3 +151,18 @@ def test_package_data_covers_every_static_file():
     files = {p.relative_to(package).as_posix() for p in (package / "static").rglob("*") if p.is_file()}
     shipped = {f for pattern in patterns for f in glob.glob(pattern, root_dir=package)}  # as setuptools globs
     assert "static/index.html" in files and files - shipped == set()
+
+
+@pytest.mark.parametrize("path", ["/dashboard", "/dashboard/", "/dashboard/static/js/main.js",
+                                  "/dashboard/static/vendor/uplot/LICENSE"])
+def test_head_of_the_shell_answers_like_get_without_a_body(path):
+    application = app()
+    get, head = call(application, "GET", path), call(application, "HEAD", path)
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-length"] == str(len(get.content)) != "0"
+    assert {k: v for k, v in head.headers.items() if k != "x-request-id"} == \
+        {k: v for k, v in get.headers.items() if k != "x-request-id"}
+
+
+def test_head_of_an_unknown_static_file_is_a_404():
+    assert call(app(), "HEAD", "/dashboard/static/nope.js").status_code == 404

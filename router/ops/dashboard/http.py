@@ -2,6 +2,8 @@
 
     GET /dashboard                      the page (HTML shell: no data, no secret, no key needed)
     GET /dashboard/static/{file}        its script, style and the vendored uPlot (no key needed)
+    HEAD of either                      the same status and headers, no body (link checkers,
+                                        load balancers and `curl -I` probe the page this way)
     GET /v1/dashboard/state             DashboardState.body() (API key)
     GET /v1/dashboard/history?since=T   the samples after unix time T, all when absent (API key)
 
@@ -17,6 +19,7 @@ from importlib import resources
 from pathlib import PurePosixPath
 
 from fastapi import APIRouter, Query
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.errors import NotFound
@@ -57,6 +60,14 @@ def page_html(page: bytes, api_key_required: bool) -> bytes:
     return page.replace(b"__API_KEY__", b"required" if api_key_required else b"none")
 
 
+def shell_response(content: bytes, media_type: str, request: Request) -> Response:
+    """A shell file; for HEAD its headers alone, content-length still the file's (RFC 9110
+    9.3.2: the headers a GET would send). Starlette sends a Response's body whatever the method."""
+    if request.method != "HEAD":
+        return Response(content, media_type=media_type, headers=SHELL_HEADERS)
+    return Response(b"", media_type=media_type, headers={**SHELL_HEADERS, "content-length": str(len(content))})
+
+
 def dashboard_routes(state: DashboardState, history: History, api_key_required: bool) -> APIRouter:
     files = static_files()
     page = page_html(files.pop("index.html")[0], api_key_required)
@@ -64,15 +75,18 @@ def dashboard_routes(state: DashboardState, history: History, api_key_required: 
 
     @api.get(paths.PAGE)
     @api.get(f"{paths.PAGE}/")
-    async def dashboard_page() -> Response:
-        return Response(page, media_type=MEDIA_TYPES[".html"], headers=SHELL_HEADERS)
+    @api.head(paths.PAGE, include_in_schema=False)  # schema: one operation per path, its GET
+    @api.head(f"{paths.PAGE}/", include_in_schema=False)
+    async def dashboard_page(request: Request) -> Response:
+        return shell_response(page, MEDIA_TYPES[".html"], request)
 
     @api.get(paths.STATIC_PREFIX + "{name:path}")
-    async def dashboard_static(name: str) -> Response:
+    @api.head(paths.STATIC_PREFIX + "{name:path}", include_in_schema=False)
+    async def dashboard_static(name: str, request: Request) -> Response:
         if name not in files:
             raise NotFound(f"No dashboard file {name!r}.")
         content, media_type = files[name]
-        return Response(content, media_type=media_type, headers=SHELL_HEADERS)
+        return shell_response(content, media_type, request)
 
     @api.get(paths.STATE)
     async def dashboard_state() -> JSONResponse:
