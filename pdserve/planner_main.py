@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
-__all__ = ["add_planner_args", "build_planner", "plan_routes", "planner_problem", "start_planner"]
+__all__ = ["add_planner_args", "build_planner", "plan_routes", "planner_problem", "role_bounds", "start_planner"]
+
+logger = logging.getLogger(__name__)
 
 
 def add_planner_args(g) -> None:
@@ -33,7 +36,8 @@ def add_planner_args(g) -> None:
         g.add_argument(f"--autoscale-min-{role}", type=int, default=getattr(RoleBounds, f"min_{role}"),
                        help=f"fewest {role} workers the planner recommends (and autoscale keeps)")
         g.add_argument(f"--autoscale-max-{role}", type=int, default=getattr(RoleBounds, f"max_{role}"),
-                       help=f"most {role} workers the planner recommends (and autoscale starts)")
+                       help=f"most {role} workers the planner recommends (and autoscale starts); "
+                            "not above --max-replicas (a default one is lowered to it)")
 
 
 NO_SCALER = ("--autoscale needs a scaler to act through (--scaler local, ray or kubernetes; pdserve up and the "
@@ -42,7 +46,31 @@ NO_SCALER = ("--autoscale needs a scaler to act through (--scaler local, ray or 
 
 def planner_problem(args: argparse.Namespace) -> str | None:
     """Why these flags cannot start a router's planner (checked before the model loads), or None."""
-    return NO_SCALER if args.autoscale and args.scaler == "none" else None
+    if args.autoscale and args.scaler == "none":
+        return NO_SCALER
+    try:
+        _given_bounds(args).within(args.max_replicas)
+    except ValueError as exc:  # bounds that contradict each other or --max-replicas
+        return str(exc)
+    return None
+
+
+def _given_bounds(args: argparse.Namespace):
+    from router.ops.planner.model import RoleBounds
+
+    return RoleBounds(args.autoscale_min_prefill, args.autoscale_max_prefill, args.autoscale_min_decode,
+                      args.autoscale_max_decode)
+
+
+def role_bounds(args: argparse.Namespace):
+    """The planner's per-role bounds from the --autoscale-min/max flags, held to --max-replicas
+    (RoleBounds.within: one set above it is a ValueError, a default one is lowered to it)."""
+    given = _given_bounds(args)
+    bounds = given.within(args.max_replicas)
+    if bounds != given:
+        logger.info("autoscale bounds held to --max-replicas %d: prefill %d..%d, decode %d..%d", args.max_replicas,
+                    bounds.min_prefill, bounds.max_prefill, bounds.min_decode, bounds.max_decode)
+    return bounds
 
 
 def build_planner(args: argparse.Namespace, service, backend, reader, roles):
@@ -50,15 +78,13 @@ def build_planner(args: argparse.Namespace, service, backend, reader, roles):
     Raises SystemExit with one line for --autoscale without a scaler."""
     from router.ops.planner.autoscale import Autoscaler, AutoscaleSettings
     from router.ops.planner.collector import PlanCollector, router_totals
-    from router.ops.planner.model import PlanSettings, RoleBounds
+    from router.ops.planner.model import PlanSettings
     from router.ops.planner.service import Planner
 
     if args.autoscale and roles.scaler is None:
         raise SystemExit(f"pdserve router: {NO_SCALER}")
     try:
-        settings = PlanSettings(args.slo_ttft_ms, args.slo_itl_ms, args.plan_target_utilization, RoleBounds(
-            args.autoscale_min_prefill, args.autoscale_max_prefill, args.autoscale_min_decode,
-            args.autoscale_max_decode))
+        settings = PlanSettings(args.slo_ttft_ms, args.slo_itl_ms, args.plan_target_utilization, role_bounds(args))
         collector = PlanCollector(reader.snapshot, lambda: router_totals(service.metrics.registry),
                                   lambda: backend.admission.num_waiting, args.plan_window)
         autoscaler = None

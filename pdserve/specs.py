@@ -125,7 +125,8 @@ def _check_planner(spec: RouterSpec) -> None:
     from router.ops.planner.model import PlanSettings, RoleBounds
 
     PlanSettings(spec.slo_ttft_ms, spec.slo_itl_ms, spec.plan_target_utilization, RoleBounds(
-        spec.autoscale_min_prefill, spec.autoscale_max_prefill, spec.autoscale_min_decode, spec.autoscale_max_decode))
+        spec.autoscale_min_prefill, spec.autoscale_max_prefill, spec.autoscale_min_decode, spec.autoscale_max_decode
+    ).within(spec.max_replicas))  # `pdserve up` refuses a contradiction before anything starts
     AutoscaleSettings(spec.autoscale_interval_s, spec.autoscale_cooldown_s)
     if not spec.plan_window_s > 0:
         raise ValueError(f"plan_window_s must be > 0; got {spec.plan_window_s}")

@@ -22,7 +22,7 @@ gives the minimums. A role whose throughput was never measured keeps its current
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PLAN_ROLES = ("prefill", "decode")
 
@@ -51,6 +51,29 @@ class RoleBounds:
 
     def clamp(self, role: str, count: int) -> int:
         return min(max(count, self.low(role)), self.high(role))
+
+    def within(self, max_replicas: int) -> RoleBounds:
+        """These bounds held to the roles API's --max-replicas, the most replicas it lets any
+        scale ask for (so the autoscaler never plans a count it would be refused). A bound an
+        operator set above it contradicts it: ValueError naming both flags (as Kubernetes
+        refuses an HPA whose minReplicas exceeds maxReplicas). A bound left at its default is
+        lowered to it instead (`--max-replicas 2` alone must not need autoscale flags), never
+        below 1 for a max."""
+        defaults = RoleBounds()
+        lowered: dict[str, int] = {}
+        for role in PLAN_ROLES:
+            for side in ("min", "max"):
+                name = f"{side}_{role}"
+                value = getattr(self, name)
+                if value <= max_replicas:
+                    continue
+                if value != getattr(defaults, name):
+                    raise ValueError(
+                        f"--autoscale-{side}-{role} {value} is above --max-replicas {max_replicas}: the roles "
+                        f"API refuses any scale past {max_replicas}, so the autoscaler could never get there; "
+                        f"lower --autoscale-{side}-{role} or raise --max-replicas")
+                lowered[name] = max(max_replicas, 1 if side == "max" else 0)
+        return replace(self, **lowered) if lowered else self
 
 
 @dataclass(frozen=True)
