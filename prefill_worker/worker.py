@@ -21,8 +21,8 @@
 Threads: engine state is touched only on the ServingLoop thread. CONNECTING records move on
 the asyncio loop, later states on the loop thread, so no two threads race for a record. A
 request's future may be cancelled by its RPC at any moment (asyncio.wrap_future cancels it
-when the client leaves), so futures are settled only through `settle` (states.py), and one request's
-failure never stops the loop from settling the others in the same batch of results.
+when the client leaves), so futures are settled only through states.settle, and one
+request's failure never stops the loop from settling the others in the same batch of results.
 
 Parts, by concern: records.py (the records, their indexes and the worker state, one lock),
 runs.py (a request's time in the engine), shipping.py (its KV to the decode worker),
