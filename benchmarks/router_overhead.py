@@ -86,6 +86,13 @@ class PathRun:
         return float(np.percentile(self.latencies_s, p)) * 1e3 if self.latencies_s else float("nan")
 
 
+def merged(runs: list[PathRun]) -> PathRun:
+    """Rounds of one path as one run: every latency, and the totals (req/s over all rounds)."""
+    return PathRun([x for r in runs for x in r.latencies_s], sum(r.failed for r in runs),
+                   sum(r.seconds for r in runs), sum(r.client_cpu_s for r in runs),
+                   sum(r.router_cpu_s for r in runs))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,4,16", help="in-flight requests, comma separated")
@@ -94,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=8, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every path this many times, routers taking turns; the table merges "
+                        "the rounds and the goal lines give the spread of the per-round ratios")
     p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma separated, of {', '.join(ROUTERS)}")
     p.add_argument("--router-source", default=None,
                    help="run pdserve's router from this checkout (a baseline commit: before/after)")
@@ -101,8 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    if min(args.concurrency + [args.requests, args.input_len, args.output_len]) < 1:
-        p.error("--concurrency, --requests, --input-len and --output-len must be positive")
+    if min(args.concurrency + [args.requests, args.input_len, args.output_len, args.rounds]) < 1:
+        p.error("--concurrency, --requests, --input-len, --output-len and --rounds must be positive")
     if unknown := sorted(set(args.routers) - set(ROUTERS)):
         p.error(f"--routers: unknown {', '.join(unknown)}; known: {', '.join(ROUTERS)}")
     return args
@@ -192,8 +202,14 @@ async def direct_path(addresses: tuple[str, str], prompts: list[list[int]], max_
 class Measured:
     router: str
     concurrency: int
-    run: PathRun
+    rounds: tuple[PathRun, ...]
+    """The router path, once per round."""
     direct: PathRun
+    """Its direct path, all rounds merged."""
+
+    @property
+    def run(self) -> PathRun:
+        return merged(list(self.rounds))
 
 
 @dataclass(frozen=True)
@@ -212,24 +228,35 @@ async def measure_all(args, routers: list[Started], doubles: Doubles, tokenizer)
     warm, timed = requests[:args.warmup], requests[args.warmup:]
     results = []
     for c in args.concurrency:
-        direct = {}
-        if any(r.direct == "grpc" for r in routers):
-            if warm:
-                await direct_path(doubles.grpc, prompts[:args.warmup], args.output_len, c, f"w{c}")
-            direct["grpc"] = await direct_path(doubles.grpc, prompts[args.warmup:], args.output_len, c, f"c{c}")
-        if any(r.direct == "http" for r in routers):
-            if warm:
-                await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, warm, c)
-            latencies, failed, seconds, cpu = await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, timed, c)
-            direct["http"] = PathRun(latencies, failed, seconds, cpu, 0.0)
+        direct: dict[str, list[PathRun]] = {"grpc": [], "http": []}
+        runs: dict[str, list[PathRun]] = {r.name: [] for r in routers}
+        for k in range(args.rounds):
+            await measure_round(args, routers, doubles, prompts, warm, timed, c, f"c{c}r{k}", direct, runs)
         for router in routers:
-            if warm:
-                await router_path(router, warm, c)
-            run = await router_path(router, timed, c)
-            results.append(Measured(router.name, c, run, direct[router.direct]))
-            print(f"  {router.name} at {c} in flight: {run.req_per_s:.1f} req/s, p50 {run.percentile_ms(50):.2f} ms "
-                  f"(direct {direct[router.direct].percentile_ms(50):.2f} ms)", flush=True)
+            results.append(Measured(router.name, c, tuple(runs[router.name]), merged(direct[router.direct])))
     return results
+
+
+async def measure_round(args, routers: list[Started], doubles: Doubles, prompts: list[list[int]],
+                       warm: list[SampleRequest], timed: list[SampleRequest], c: int, tag: str,
+                       direct: dict[str, list[PathRun]], runs: dict[str, list[PathRun]]) -> None:
+    """Each direct path, then each router, once at concurrency c (appended to direct / runs)."""
+    if any(r.direct == "grpc" for r in routers):
+        if warm:
+            await direct_path(doubles.grpc, prompts[:args.warmup], args.output_len, c, f"w{tag}")
+        direct["grpc"].append(await direct_path(doubles.grpc, prompts[args.warmup:], args.output_len, c, tag))
+    if any(r.direct == "http" for r in routers):
+        if warm:
+            await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, warm, c)
+        latencies, failed, seconds, cpu = await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, timed, c)
+        direct["http"].append(PathRun(latencies, failed, seconds, cpu, 0.0))
+    for router in routers:
+        if warm:
+            await router_path(router, warm, c)
+        run = await router_path(router, timed, c)
+        runs[router.name].append(run)
+        print(f"  {router.name} at {c} in flight: {run.req_per_s:.1f} req/s, p50 {run.percentile_ms(50):.2f} ms "
+              f"(direct {direct[router.direct][-1].percentile_ms(50):.2f} ms)", flush=True)
 
 
 HEADERS = ["router", "concurrency", "req/s", "direct req/s", "p50 ms", "direct p50 ms", "added p50 ms",
@@ -263,7 +290,8 @@ def goal_lines(results: list[Measured]) -> list[str]:
             if (ours, top) in at and (peer, top) in at:
                 ratio = at[ours, top].run.req_per_s / at[peer, top].run.req_per_s
                 lines.append(f"{ours} / {peer} req/s at {top} in flight: {ratio:.2f}x "
-                             f"({'met' if ratio >= 1.0 else 'NOT MET'}; goal >= 1.0x)")
+                             f"({'met' if ratio >= 1.0 else 'NOT MET'}; goal >= 1.0x)"
+                             + round_spread(at[ours, top], at[peer, top]))
         if (ours, low) in at:
             m = at[ours, low]
             added = m.run.percentile_ms(50) - m.direct.percentile_ms(50)
@@ -272,9 +300,16 @@ def goal_lines(results: list[Measured]) -> list[str]:
     return lines
 
 
+def round_spread(ours: Measured, peer: Measured) -> str:
+    """", per round: 0.81-0.97x" (each round's req/s ratio, the same round of both), or "" for one round."""
+    ratios = [a.req_per_s / b.req_per_s for a, b in zip(ours.rounds, peer.rounds, strict=True)]
+    return "" if len(ratios) < 2 else f", per round: {min(ratios):.2f}-{max(ratios):.2f}x"
+
+
 def method_lines(args, skipped: list[str]) -> list[str]:
     lines = [
-        f"{args.requests} timed requests per path and concurrency after {args.warmup} untimed; prompts of "
+        f"{args.requests} timed requests per path and concurrency after {args.warmup} untimed, "
+        f"{args.rounds} round(s) (routers take turns in each; the table merges the rounds); prompts of "
         f"{args.input_len} tokens (random dataset, seed {args.seed}), {args.output_len} output tokens, ignore_eos.",
         "pdserve: the real `pdserve router` (pdserve-x2: --router-workers 2) in front of "
         "benchmarks/instant_workers.py gRPC doubles (1 prefill + 1 decode) registered in an embedded Redis; "

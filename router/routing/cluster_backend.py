@@ -30,13 +30,12 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 
 from proto.convert import params_to_proto
-from proto.internal_auth import internal_channel
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from proto.pdserve.v1 import worker_pb2
 from router.ops.timeline import RouteSummary
 from router.routing.admission import AdmissionQueue, AdmissionSettings
 from router.routing.first_token import (
@@ -45,89 +44,19 @@ from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
 from router.serving.trace import BackendTrace
 from router.cluster.state import ClusterSnapshot
 from router.errors import InvalidRequest, Overloaded, WorkerFailure
+from router.routing.pd_request import (  # noqa: F401 (check_fits_capacity, plain_route_request: imported from here too)
+    RouteRequestBuilder, _Admitted, _Placement, _Run, check_fits_capacity, plain_route_request)
 from router.routing.policy import RouteDecision, RouteRequest, prompt_blocks
+from router.routing.transfer_totals import LinkTotals, TransferTotals  # noqa: F401 (imported from here too)
 from router.routing.worker_calls import (
     WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within, request_error)
+from router.routing.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
 from router.routing.worker_replies import (  # noqa: F401 (the paths are imported from here too)
     PATH_COLOCATED, PATH_DISAGGREGATED, reply_delta, stream_delta, streams_first_token, trace_prefill,
     trace_reserve)
-
-RouteRequestBuilder = Callable[[tuple[int, ...], "int | None", ClusterSnapshot], RouteRequest]
-"""Builds a policy's view of a request (the prefix index fills in cached blocks)."""
-
-
-def plain_route_request(prompt: tuple[int, ...], max_tokens: int | None, snapshot: ClusterSnapshot) -> RouteRequest:
-    return RouteRequest(len(prompt), max_tokens)
-
-
-@dataclass
-class TransferTotals:
-    """KV transfers and failovers as seen by this router (for /metrics)."""
-
-    count: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    prefill_retries: int = 0
-    decode_rejections: int = 0
-    by_link: dict[tuple[str, str], "LinkTotals"] = field(default_factory=dict)
-    """Per (prefill worker, decode worker): what crossed that data channel."""
-
-    def add(self, prefill_id: str, decode_id: str, nbytes: int, seconds: float) -> None:
-        self.count += 1
-        self.nbytes += nbytes
-        self.seconds += seconds
-        link = self.by_link.setdefault((prefill_id, decode_id), LinkTotals())
-        link.count += 1
-        link.nbytes += nbytes
-        link.seconds += seconds
-
-
-@dataclass
-class LinkTotals:
-    """KV transfers over one prefill -> decode data channel."""
-
-    count: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class _Placement:
-    decode_address: str
-    block_size: int
-    prefill_address: str | None = None
-
-
-@dataclass(frozen=True)
-class _Admitted:
-    snapshot: ClusterSnapshot
-    decision: RouteDecision
-    decode_id: str
-    stream: object  # grpc.aio stream of DecodeEvent
-    ticket: worker_pb2.Ticket
-
-
-def check_fits_capacity(num_prompt_tokens: int, max_tokens: int | None, snapshot: ClusterSnapshot) -> None:
-    """Raises InvalidRequest, with the numbers, when prompt + max_tokens exceeds the whole KV
-    cache of every decode worker (it could never run, however long it waited)."""
-    decoders = snapshot.decode_workers()
-    if not decoders or max_tokens is None:
-        return
-    largest = max(decoders, key=lambda w: w.total_blocks * w.block_size)
-    holds = largest.total_blocks * largest.block_size
-    need = num_prompt_tokens + max_tokens
-    if need > holds:
-        raise InvalidRequest(
-            f"This request needs {need:,} tokens of KV cache ({num_prompt_tokens:,} prompt + "
-            f"{max_tokens:,} max_tokens), but the largest decode worker holds {holds:,} tokens "
-            f"({largest.total_blocks:,} blocks x {largest.block_size}). Reduce the prompt or "
-            "max_tokens.",
-            param="max_tokens",
-        )
-
 
 class ClusterBackend:
     def __init__(
@@ -143,16 +72,13 @@ class ClusterBackend:
     ) -> None:
         """secret: the cluster secret every call to a worker proves (proto/internal_auth.py);
         None only for tests whose workers are in-process doubles without the check."""
-        self._secret = secret
+        self.workers = WorkerClient(secret)
         self._snapshot = snapshot
         self._choose = choose
         self._route_request = route_request
         self._ticket_timeout_ms = int(ticket_timeout_s * 1000)
         self.timeouts = timeouts
-        self._background: set[asyncio.Task] = set()
-        """Aborts sent to silent workers, not awaited by the request they end."""
         self._rng = rng or random.Random()
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._placements: dict[str, _Placement] = {}
         self.admission = admission or AdmissionQueue(AdmissionSettings())
         self.transfers = TransferTotals()
@@ -171,27 +97,47 @@ class ClusterBackend:
     def channel(self, address: str) -> grpc.aio.Channel:
         """The pooled channel to a worker (every call carries the cluster-secret proof); shared
         with the ops calls (drain), closed by close()."""
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = (
-                grpc.aio.insecure_channel(address) if self._secret is None
-                else internal_channel(address, self._secret))
-        return channel
+        return self.workers.channel(address)
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self.workers.close()
 
     async def generate(self, request: BackendRequest) -> AsyncIterator[TokenDelta]:
-        prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
         trace = BackendTrace()
         trace.mark("backend_start")
+        admitted, queue_s = await self._admit_request(request, trace)
+        path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
+        run = _Run(request, admitted, trace, queue_s, path, self._route_info(admitted, queue_s, None, trace), trace)
+        try:
+            if run.path == PATH_DISAGGREGATED and (first := await self._disaggregated_first(run)) is not None:
+                yield run.count(first)
+                if run.finished:
+                    return
+            stream, wait_s = run.admitted.stream, self._first_read_s(run.path)
+            what = f"decode worker {run.admitted.decode_id}"
+            while (event := await next_event(stream, run.pending, wait_s, what)) is not grpc.aio.EOF:
+                wait_s = self.timeouts.stream_idle_s
+                if (delta := await self._next_delta(run, event)) is None:
+                    continue
+                yield run.count(delta)
+                if run.finished:
+                    return
+            raise WorkerFailure("the decode worker ended the stream before the request finished")
+        except WorkerSilent:
+            run.silent = True
+            raise
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
+        finally:
+            await self._end(run)
+
+    async def _admit_request(self, request: BackendRequest, trace: BackendTrace) -> tuple[_Admitted, float]:
+        """Refuse what can never fit, then admission (waiting in the queue when nobody has
+        room): the admitted placement and the seconds it waited."""
+        prompt = request.prompt_token_ids
         snapshot = await self._snapshot()
         try:
-            check_fits_capacity(len(prompt), max_tokens, snapshot)
+            check_fits_capacity(len(prompt), request.params.max_tokens, snapshot)
         except InvalidRequest:
             self.rejections["exceeds_kv_capacity"] += 1
             raise
@@ -199,69 +145,58 @@ class ClusterBackend:
         admitted, queue_s = await self.admission.admit(
             lambda: self._try_admit(request, trace), prompt_blocks(len(prompt), block_size))
         trace.queue_s = queue_s
-        generated = 0
-        finished = silent = False
-        late_prefill: asyncio.Task | None = None
-        pending: asyncio.Task | None = None
-        try:
-            route = self._route_info(admitted, queue_s, None, trace)
-            path = PATH_COLOCATED if admitted.decision.prefill_id is None else PATH_DISAGGREGATED
-            skip, untold = 0, trace  # untold: the trace rides on the first delta
-            if path == PATH_DISAGGREGATED:
-                race = await self._first_token(request, admitted, trace)
-                if race.first is None:  # every prefill worker failed: this decode worker prefills
-                    admitted = await self._admit_local(request, admitted)
-                    path, route = PATH_COLOCATED, self._route_info(admitted, queue_s, "prefill_failed", trace)
-                else:
-                    late_prefill, pending, skip = race.prefill, race.pending_read, race.skip
-                    first = race.first
-                    if race.from_stream:  # the decode worker's own cache hit; the prefill's comes later
-                        first = replace(first, num_cached_tokens=admitted.ticket.num_cached_tokens)
-                    first = await self._with_prefill_cache_hit(first, late_prefill)
-                    generated += len(first.token_ids)
-                    finished = first.finish_reason is not None
-                    trace.mark("first_token")
-                    yield replace(first, route=route, trace=trace)
-                    route = untold = None
-                    if finished:
-                        return
-            stream, wait_s = admitted.stream, self._first_read_s(path)
-            what = f"decode worker {admitted.decode_id}"
-            while (event := await next_event(stream, pending, wait_s, what)) is not grpc.aio.EOF:
-                pending, wait_s = None, self.timeouts.stream_idle_s
-                delta, skip = skip_delivered(stream_delta(event, path, route), skip)
-                if delta is None:
-                    continue
-                delta = await self._with_prefill_cache_hit(delta, late_prefill)
-                if untold is not None:
-                    trace.mark("first_token")
-                    delta, untold = replace(delta, trace=trace), None
-                route = None
-                generated += len(delta.token_ids)
-                finished = delta.finish_reason is not None
-                yield delta
-                if finished:
-                    return
-            raise WorkerFailure("the decode worker ended the stream before the request finished")
-        except WorkerSilent:
-            silent = True
-            raise
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerFailure(f"decode worker failed mid-stream: {exc.code().name}: {exc.details()}") from exc
-        finally:
-            if pending is not None:  # left before reading what the stream sent after the reply
-                pending.cancel()
-            if late_prefill is not None:
-                await settle_prefill(late_prefill, finished, self.timeouts.abort_s)
-            self._prefill_tokens.pop(request.request_id, None)
-            placement = self._placements.get(request.request_id)
-            if silent and placement is not None:  # its abort may wait out its deadline: the client hears now
-                self._in_background(self._abort_placement(request.request_id, placement))
-            elif not finished:
-                await self.abort(request.request_id)
-            self._placements.pop(request.request_id, None)
-            if placement is not None:
-                self.admission.blocks_freed(prompt_blocks(len(prompt) + generated, placement.block_size))
+        return admitted, queue_s
+
+    async def _disaggregated_first(self, run: _Run) -> TokenDelta | None:
+        """The first token (with the route and trace on it), or None when every prefill worker
+        failed and the decode worker now prefills itself (run.path becomes colocated)."""
+        race = await self._first_token(run.request, run.admitted, run.trace)
+        if race.first is None:
+            run.admitted = await self._admit_local(run.request, run.admitted)
+            run.path = PATH_COLOCATED
+            run.route = self._route_info(run.admitted, run.queue_s, "prefill_failed", run.trace)
+            return None
+        run.late_prefill, run.pending, run.skip = race.prefill, race.pending_read, race.skip
+        first = race.first
+        if race.from_stream:  # the decode worker's own cache hit; the prefill's comes later
+            first = replace(first, num_cached_tokens=run.admitted.ticket.num_cached_tokens)
+        first = await self._with_prefill_cache_hit(first, run.late_prefill)
+        run.trace.mark("first_token")
+        first = replace(first, route=run.route, trace=run.trace)
+        run.route = run.untold = None
+        return first
+
+    async def _next_delta(self, run: _Run, event) -> TokenDelta | None:
+        """A decode stream event as the client's next delta; None for tokens it already has."""
+        run.pending = None
+        delta, run.skip = skip_delivered(stream_delta(event, run.path, run.route), run.skip)
+        if delta is None:
+            return None
+        if run.late_prefill is not None:
+            delta = await self._with_prefill_cache_hit(delta, run.late_prefill)
+        if run.untold is not None:
+            run.trace.mark("first_token")
+            delta, run.untold = replace(delta, trace=run.trace), None
+        run.route = None
+        return delta
+
+    async def _end(self, run: _Run) -> None:
+        """Every end: settle the prefill, abort what did not finish, free the queue's blocks."""
+        request_id = run.request.request_id
+        if run.pending is not None:  # left before reading what the stream sent after the reply
+            run.pending.cancel()
+        if run.late_prefill is not None:
+            await settle_prefill(run.late_prefill, run.finished, self.timeouts.abort_s)
+        self._prefill_tokens.pop(request_id, None)
+        placement = self._placements.get(request_id)
+        if run.silent and placement is not None:  # its abort may wait out its deadline: the client hears now
+            self.workers.in_background(self._abort_placement(request_id, placement))
+        elif not run.finished:
+            await self.abort(request_id)
+        self._placements.pop(request_id, None)
+        if placement is not None:
+            total = len(run.request.prompt_token_ids) + run.generated
+            self.admission.blocks_freed(prompt_blocks(total, placement.block_size))
 
     async def _first_token(self, request: BackendRequest, admitted: _Admitted, trace: BackendTrace) -> FirstToken:
         """The first token from the Prefill reply or the decode stream, whichever is first
@@ -294,11 +229,6 @@ class ClusterBackend:
         if path == PATH_COLOCATED:
             return max(self.timeouts.prefill_s, self.timeouts.stream_idle_s)
         return self.timeouts.stream_idle_s
-
-    def _in_background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _route_info(self, admitted: _Admitted, queue_s: float, fallback: str | None,
                     trace: BackendTrace) -> RouteInfo:
@@ -364,8 +294,7 @@ class ClusterBackend:
             info = snapshot.by_id(worker_id)
             if info is None:
                 continue
-            stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(info.address))
-            stream = stub.Decode(worker_pb2.DecodeRequest(
+            stream = self.workers.decode(info.address).Decode(worker_pb2.DecodeRequest(
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
                 local_prefill=local, stream_first_token=streams_first_token(request, local)))
@@ -380,8 +309,8 @@ class ClusterBackend:
                 raise decode_call_error(exc, worker_id) from exc
             except WorkerSilent as exc:  # stopped or wedged: the others may take it
                 logger.warning("%s; trying the next decode worker", exc)
-                self._in_background(self._abort_on(worker_pb2_grpc.DecodeWorkerStub, info.address,
-                                                   request.request_id))
+                self.workers.in_background(self.workers.abort(info.address, request.request_id,
+                                                              self.timeouts.abort_s))
                 continue
             except BaseException:  # cancelled while waiting: the stream must not outlive us
                 stream.cancel()
@@ -420,10 +349,9 @@ class ClusterBackend:
                 if info is None or settled.is_set():
                     continue
                 self._placements[request.request_id].prefill_address = info.address
-                stub = worker_pb2_grpc.PrefillWorkerStub(self.channel(info.address))
                 sent_at = time.monotonic()
                 try:
-                    reply = await stub.Prefill(worker_pb2.PrefillRequest(
+                    reply = await self.workers.prefill(info.address).Prefill(worker_pb2.PrefillRequest(
                         request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                         sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
                 except grpc.aio.AioRpcError as exc:
@@ -451,15 +379,6 @@ class ClusterBackend:
             await self._abort_placement(request_id, placement)
 
     async def _abort_placement(self, request_id: str, placement: _Placement) -> None:
-        calls = [(worker_pb2_grpc.DecodeWorkerStub, placement.decode_address)]
+        await self.workers.abort(placement.decode_address, request_id, self.timeouts.abort_s)
         if placement.prefill_address:
-            calls.append((worker_pb2_grpc.PrefillWorkerStub, placement.prefill_address))
-        for stub_type, address in calls:
-            await self._abort_on(stub_type, address, request_id)
-
-    async def _abort_on(self, stub_type, address: str, request_id: str) -> None:
-        try:
-            await stub_type(self.channel(address)).Abort(
-                worker_pb2.AbortRequest(request_id=request_id), timeout=self.timeouts.abort_s)
-        except grpc.aio.AioRpcError as exc:  # the worker may be gone; nothing to free there
-            logger.info("abort of %s on %s failed: %s", request_id, address, exc.code().name)
+            await self.workers.abort(placement.prefill_address, request_id, self.timeouts.abort_s, prefill=True)

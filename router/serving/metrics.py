@@ -84,17 +84,29 @@ class RouterMetrics:
             token_buckets,
         )  # fmt: skip
 
+        self._children: dict[tuple[object, str], object] = {}
+        """(metric, extra label value) -> its labelled child, resolved on first use (a series
+        appears once observed, as before): labels(**kw) per call, a lock and dicts per token,
+        showed in benchmarks/router_overhead.py's profile."""
+
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
 
+    def _child(self, metric, extra: str | None = None, value: str = ""):
+        child = self._children.get((metric, value))
+        if child is None:
+            labels = self._labels if extra is None else {**self._labels, extra: value}
+            child = self._children[(metric, value)] = metric.labels(**labels)
+        return child
+
     def observe_first_token(self, seconds: float) -> None:
-        self._ttft.labels(**self._labels).observe(seconds)
+        self._child(self._ttft).observe(seconds)
 
     def observe_queue_time(self, seconds: float) -> None:
-        self._queue_time.labels(**self._labels).observe(seconds)
+        self._child(self._queue_time).observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self._itl.labels(**self._labels).observe(seconds)
+        self._child(self._itl).observe(seconds)
 
     def observe_finished(
         self,
@@ -105,14 +117,13 @@ class RouterMetrics:
         path: str | None,
     ) -> None:
         """One backend request ended (finished_reason "abort" when the router cut it off)."""
-        labels = self._labels
-        self._success.labels(**labels, finished_reason=finished_reason).inc()
-        self._prompt_tokens.labels(**labels).inc(prompt_tokens)
-        self._generation_tokens.labels(**labels).inc(generation_tokens)
-        self._request_prompt.labels(**labels).observe(prompt_tokens)
-        self._request_generation.labels(**labels).observe(generation_tokens)
-        self._e2e.labels(**labels).observe(e2e_seconds)
-        self._path.labels(**labels, path=path or "unknown").inc()
+        self._child(self._success, "finished_reason", finished_reason).inc()
+        self._child(self._prompt_tokens).inc(prompt_tokens)
+        self._child(self._generation_tokens).inc(generation_tokens)
+        self._child(self._request_prompt).observe(prompt_tokens)
+        self._child(self._request_generation).observe(generation_tokens)
+        self._child(self._e2e).observe(e2e_seconds)
+        self._child(self._path, "path", path or "unknown").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

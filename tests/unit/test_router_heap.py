@@ -1,0 +1,17 @@
+"""The router process settles its heap once serving starts: start-up objects frozen out of the
+collector's view, young collections every GC_GEN0_THRESHOLD allocations (pdserve/router_main.py)."""
+
+import gc
+
+from pdserve.router_main import GC_GEN0_THRESHOLD, settle_heap
+
+
+def test_settle_heap_freezes_start_up_objects_and_raises_only_the_young_generation_threshold():
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_threshold() == (GC_GEN0_THRESHOLD, before[1], before[2])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
