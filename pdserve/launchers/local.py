@@ -29,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from pdserve.launchers.child import ChildProcess, describe_exit
@@ -304,6 +305,16 @@ def served_model_name(args: argparse.Namespace) -> str:
         return Path(args.model).stem
 
 
+def auth_header_hint(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The curl hint's Authorization header when the router requires a key: it names where the
+    key lives (the variable or the file), never the key itself, which would land in logs."""
+    if environ.get("PDSERVE_API_KEY") or args.api_key:
+        return ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
+    if environ.get("PDSERVE_API_KEY_FILE"):
+        return ' -H "Authorization: Bearer $(cat \"$PDSERVE_API_KEY_FILE\")"'
+    return ""
+
+
 def banner(args: argparse.Namespace, where: str) -> str:
     """What `pdserve up` prints once everything serves: where to call it, where to watch it
     (the router always serves the dashboard), how to scale it, and `where` (the cluster's own
@@ -312,7 +323,8 @@ def banner(args: argparse.Namespace, where: str) -> str:
     base = f"http://{host}:{args.port}"
     body = {"model": served_model_name(args), "messages": [{"role": "user", "content": "Hello!"}]}
     return (f"\npdserve is up: OpenAI API {base}/v1 , gRPC {host}:{args.grpc_port}"
-            f"\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+            f"\n  curl {base}/v1/chat/completions{auth_header_hint(args, os.environ)} "
+            f"-H 'Content-Type: application/json' -d '{json.dumps(body)}'"
             f"\n  dashboard: {base}/dashboard"
             f"\n  scale: pdserve scale prefill=2 decode=2 --url {base}"
             f"\n{where}\n")

@@ -71,3 +71,22 @@ def test_up_banner_on_a_wildcard_or_ipv6_bind_gives_urls_a_client_can_open(capsy
 def test_up_banner_curl_names_the_model_the_router_serves(capsys, restore_signals, flags, name):
     lines = banner_of(capsys, *flags)
     assert f'''-d '{{"model": "{name}", "messages"''' in lines[2]
+
+
+@pytest.mark.parametrize(("env", "header"), [
+    ({"PDSERVE_API_KEY": "s3cret-key"}, '-H "Authorization: Bearer $PDSERVE_API_KEY"'),
+    ({"PDSERVE_API_KEY_FILE": "/run/keys/api"}, '-H "Authorization: Bearer $(cat "$PDSERVE_API_KEY_FILE")"'),
+])
+def test_up_banner_curl_carries_the_key_by_name_when_one_is_required(capsys, restore_signals, monkeypatch, env,
+                                                                     header):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    curl = banner_of(capsys)[2]
+    assert curl.startswith(f"  curl http://127.0.0.1:8000/v1/chat/completions {header} -H 'Content-Type")
+    assert "s3cret-key" not in curl
+
+
+def test_up_banner_curl_has_no_authorization_without_a_key(capsys, restore_signals, monkeypatch):
+    for name in ("PDSERVE_API_KEY", "PDSERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert "Authorization" not in banner_of(capsys)[2]
