@@ -41,7 +41,10 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class RouterMetrics:
-    """Counters and histograms of finished backend requests (one per choice)."""
+    """Counters and histograms of backend requests (one per choice). The token counters move
+    as the work arrives (prompt tokens at dispatch, generated tokens as they stream), so the
+    planner's arrival rates do not lag by a request's length; the per-request histograms,
+    request_success and e2e latency are observed when a request ends, as vLLM does."""
 
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
@@ -108,6 +111,15 @@ class RouterMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         self._child(self._itl).observe(seconds)
 
+    def count_prompt(self, tokens: int) -> None:
+        """A backend request was dispatched with this many prompt tokens."""
+        self._child(self._prompt_tokens).inc(tokens)
+
+    def count_generated(self, tokens: int) -> None:
+        """This many more tokens reached the client for a backend request."""
+        if tokens:
+            self._child(self._generation_tokens).inc(tokens)
+
     def observe_finished(
         self,
         finished_reason: str,
@@ -118,8 +130,6 @@ class RouterMetrics:
     ) -> None:
         """One backend request ended (finished_reason "abort" when the router cut it off)."""
         self._child(self._success, "finished_reason", finished_reason).inc()
-        self._child(self._prompt_tokens).inc(prompt_tokens)
-        self._child(self._generation_tokens).inc(generation_tokens)
         self._child(self._request_prompt).observe(prompt_tokens)
         self._child(self._request_generation).observe(generation_tokens)
         self._child(self._e2e).observe(e2e_seconds)

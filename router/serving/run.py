@@ -78,6 +78,8 @@ class GenerationRun:
         self._path: str | None = None
         self._route: str | None = None
         self._closed = False
+        for request in requests:
+            metrics.count_prompt(len(request.prompt_token_ids))
 
     def _tracker(self, i: int, request: BackendRequest, tokenizer: Tokenizer) -> ChoiceTracker:
         prompt = self._plan.prompts[i // self._plan.n]
@@ -116,7 +118,9 @@ class GenerationRun:
             self._route = delta.route.header_value()
             self._metrics.observe_queue_time(delta.route.queue_s)
         tracker = self._trackers[i]
+        before = tracker.num_tokens
         update = tracker.apply(delta)
+        self._metrics.count_generated(tracker.num_tokens - before)  # a stop string may trim the delta
         self._observe_tokens(i, len(delta.token_ids))
         if tracker.stopped_by_string:
             await self._fanout.stop(i)

@@ -38,10 +38,17 @@ async def fixed() -> ClusterSnapshot:
     return CLUSTER
 
 
+def served(metrics: RouterMetrics, reason: str, prompt: int, generated: int, e2e_s: float, path: str | None) -> None:
+    """What a GenerationRun reports for one backend request from dispatch to its end."""
+    metrics.count_prompt(prompt)
+    metrics.count_generated(generated)
+    metrics.observe_finished(reason, prompt, generated, e2e_s, path)
+
+
 def test_read_metrics_sums_counters_over_finish_reasons_and_keeps_cumulative_buckets():
     metrics = RouterMetrics("m", 2048)
-    metrics.observe_finished("stop", 10, 5, 0.9, "disaggregated")
-    metrics.observe_finished("length", 20, 7, 1.2, "colocated")
+    served(metrics, "stop", 10, 5, 0.9, "disaggregated")
+    served(metrics, "length", 20, 7, 1.2, "colocated")
     metrics.observe_first_token(0.03)
     counters, latency = read_metrics(metrics.registry)
     assert counters == {"finished": 2.0, "prompt_tokens": 30.0, "generation_tokens": 12.0}
@@ -60,7 +67,7 @@ def test_each_step_appends_the_trailing_window_of_the_real_counters():
     sampler = DashboardSampler(history, metrics.registry, counts, fixed, window_s=10.0, clock=clock)
     asyncio.run(sampler.step())
     for _ in range(4):
-        metrics.observe_finished("stop", 100, 20, 0.9, "disaggregated")
+        served(metrics, "stop", 100, 20, 0.9, "disaggregated")
         metrics.observe_first_token(0.03)
     counts.transfers.add("prefill-0", "decode-0", 4_000_000, 0.002)
     counts.fallbacks["local_prefill"] += 1

@@ -11,7 +11,9 @@ import pytest
 from router.cluster.keys import WorkerInfo
 from router.ops.planner.collector import PlanCollector, RouterTotals, Sample, measure, quantile_ms, router_totals
 from router.serving.metrics import RouterMetrics
+from router.api.openai_models import CompletionRequest
 from tests.unit.roles_doubles import snapshot, worker
+from tests.unit.router_doubles import ScriptedBackend, make_service, token_steps
 
 
 def at(w: WorkerInfo, **counters) -> WorkerInfo:
@@ -24,13 +26,15 @@ P0, D0 = worker("prefill-0", "prefill"), worker("decode-0", "decode")
 def test_rates_and_busy_throughputs_come_from_the_differences_over_the_window():
     old = Sample(100.0, (at(P0, prompt_tokens=1000, prefill_busy_s=2.0), at(D0, generation_tokens=50, decode_busy_s=1.0,
                                                                               num_running=2)),
-                 RouterTotals(requests=10, prompt_tokens=1000, generation_tokens=60))
+                 RouterTotals(requests=10, prompt_tokens=1000, generation_tokens=60, finished_prompt_tokens=900,
+                              finished_generation_tokens=50))
     new = Sample(120.0, (at(P0, prompt_tokens=10000, prefill_busy_s=22.0, queued_prefill_tokens=3000),
                          at(D0, generation_tokens=450, decode_busy_s=5.0, num_running=4)),
-                 RouterTotals(requests=20, prompt_tokens=10000, generation_tokens=100), admission_waiting=1)
+                 RouterTotals(requests=20, prompt_tokens=10000, generation_tokens=100, finished_prompt_tokens=9900,
+                              finished_generation_tokens=90), admission_waiting=1)
     i = measure([old, new], window_s=60, current_prefill=1, current_decode=1)
     assert (i.prompt_tokens_per_s, i.output_tokens_per_s) == (450.0, 2.0)   # 9000 / 20 s, 40 / 20 s
-    assert i.mean_request_tokens == 904.0                                   # (9000 + 40) / 10
+    assert i.mean_request_tokens == 904.0          # finished requests only: (9000 + 40) / 10
     assert (i.prefill_computed_tokens_per_s, i.decode_generated_tokens_per_s) == (450.0, 20.0)
     assert i.prefill_tokens_per_busy_s == 450.0                             # 9000 / 20 busy s
     assert i.decode_tokens_per_busy_s == 100.0                              # 400 / 4 busy s
@@ -76,10 +80,13 @@ def test_p99_is_interpolated_within_its_bucket_from_the_histogram_differences():
 def test_router_totals_read_the_router_metrics_registry():
     metrics = RouterMetrics("m", 4096)
     for ttft in (0.2, 0.3):
+        metrics.count_prompt(100)
         metrics.observe_first_token(ttft)
+        metrics.count_generated(7)
         metrics.observe_finished("stop", 100, 7, 1.0, "disaggregated")
     totals = router_totals(metrics.registry)
     assert (totals.requests, totals.prompt_tokens, totals.generation_tokens) == (2.0, 200.0, 14.0)
+    assert (totals.finished_prompt_tokens, totals.finished_generation_tokens) == (200.0, 14.0)
     assert dict(totals.ttft_buckets)[0.25] == 1.0 and dict(totals.ttft_buckets)[float("inf")] == 2.0
 
 
@@ -97,3 +104,33 @@ def test_the_collector_keeps_a_bounded_window_of_samples():
     asyncio.run(twenty())
     assert [s.at for s in collector.samples] == [14.0, 15.0, 16.0, 17.0, 18.0, 19.0]
     assert collector.inputs(1, 1).current_prefill == 1
+
+
+def test_router_token_counters_move_while_a_request_streams_not_only_when_it_ends():
+    """The planner's arrival rates read these counters: a long answer counts as it streams."""
+    async def scenario():
+        backend = ScriptedBackend(token_steps(list(range(1, 11))), hold_after=3)
+        service = make_service(backend)
+        request = CompletionRequest(model=service.model_card().id, prompt=[5, 6, 7, 8, 9], max_tokens=10)
+        stream = await service.stream_complete(request, "r1")
+
+        async def drain() -> None:
+            async for _ in stream:
+                pass
+
+        reader = asyncio.create_task(drain())
+        await asyncio.wait_for(backend.holding.wait(), 5)
+        for _ in range(100):  # the run applies the third delta right after the backend yields it
+            mid = router_totals(service.metrics.registry)
+            if mid.generation_tokens == 3:
+                break
+            await asyncio.sleep(0.01)
+        backend.release.set()
+        await asyncio.wait_for(reader, 5)
+        await stream.aclose()
+        return mid, router_totals(service.metrics.registry)
+
+    mid, end = asyncio.run(scenario())
+    assert (mid.requests, mid.prompt_tokens, mid.generation_tokens) == (0.0, 5.0, 3.0)
+    assert (end.requests, end.prompt_tokens, end.generation_tokens) == (1.0, 5.0, 10.0)
+    assert (end.finished_prompt_tokens, end.finished_generation_tokens) == (5.0, 10.0)

@@ -33,11 +33,14 @@ MIN_BUSY_S = 0.2
 
 @dataclass(frozen=True)
 class RouterTotals:
-    """The router's counters since it started (each backend request once, when it finished)."""
+    """The router's counters since it started. requests and the finished_* sums move when a
+    backend request ends; prompt_tokens at dispatch and generation_tokens as tokens stream."""
 
     requests: float = 0.0
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
+    finished_prompt_tokens: float = 0.0
+    finished_generation_tokens: float = 0.0
     ttft_buckets: tuple[tuple[float, float], ...] = ()
     """(upper bound in seconds, cumulative count), ascending, +inf last."""
     itl_buckets: tuple[tuple[float, float], ...] = ()
@@ -54,7 +57,9 @@ class Sample:
 
 
 _TOTALS = {"vllm:request_success_total": "requests", "vllm:prompt_tokens_total": "prompt_tokens",
-           "vllm:generation_tokens_total": "generation_tokens"}
+           "vllm:generation_tokens_total": "generation_tokens",
+           "vllm:request_prompt_tokens_sum": "finished_prompt_tokens",
+           "vllm:request_generation_tokens_sum": "finished_generation_tokens"}
 _HISTOGRAMS = {"vllm:time_to_first_token_seconds_bucket": "ttft_buckets",
                "vllm:inter_token_latency_seconds_bucket": "itl_buckets"}
 
@@ -142,7 +147,8 @@ def measure(samples: Sequence[Sample], window_s: float, current_prefill: int, cu
     old, new = kept[0], kept[-1]
     dt = new.at - old.at
     d = {name: getattr(new.router, name) - getattr(old.router, name)
-         for name in ("requests", "prompt_tokens", "generation_tokens")}
+         for name in ("requests", "prompt_tokens", "generation_tokens", "finished_prompt_tokens",
+                      "finished_generation_tokens")}
     pairs = _same_run(old, new)
     prefill_pairs = [(o, n) for o, n in pairs if n.role == "prefill"]
     decode_pairs = [(o, n) for o, n in pairs if n.serves_decode]
@@ -153,7 +159,8 @@ def measure(samples: Sequence[Sample], window_s: float, current_prefill: int, cu
         window_s=window_s, current_prefill=current_prefill, current_decode=current_decode,
         prompt_tokens_per_s=d["prompt_tokens"] / dt if dt > 0 else 0.0,
         output_tokens_per_s=d["generation_tokens"] / dt if dt > 0 else 0.0,
-        mean_request_tokens=(d["prompt_tokens"] + d["generation_tokens"]) / d["requests"] if d["requests"] > 0 else 0.0,
+        mean_request_tokens=(d["finished_prompt_tokens"] + d["finished_generation_tokens"]) / d["requests"]
+        if d["requests"] > 0 else 0.0,  # finished requests only: the token counters lead them
         prefill_computed_tokens_per_s=_rate(prefill_pairs, "prompt_tokens", dt),
         decode_generated_tokens_per_s=_rate(decode_pairs, "generation_tokens", dt),
         prefill_tokens_per_busy_s=_throughput(prefill_pairs, _prefillers(new), "prompt_tokens", "prefill_busy_s"),
