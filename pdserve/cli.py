@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_worker_args(worker)
         worker.set_defaults(func=lambda args, parser, role=role: run_worker(role, args, parser))
 
-    from pdserve.router_main import add_router_args, run_router
+    from pdserve.router_args import add_router_args
+    from pdserve.router_main import run_router
 
     router = _add_command(sub, "router", "run the router (OpenAI HTTP + gRPC)", common)
     add_router_args(router)
@@ -183,11 +184,11 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--max-replicas", type=int, default=16,
                    help="most workers per role a scale request may ask for (the router and supervisor both hold to it)")
     from pdserve.launchers.ray.args import add_launcher_args
-    from pdserve.router_main import add_routing_args
+    from pdserve.router_args import add_routing_args
 
     add_launcher_args(up)
     add_routing_args(up.add_argument_group("routing and admission"))
-    from pdserve.router_main import add_timeline_args
+    from pdserve.router_args import add_timeline_args
 
     add_timeline_args(up.add_argument_group("per-request timelines"))
     from pdserve.logs import add_log_args

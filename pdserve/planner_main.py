@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 def add_planner_args(g) -> None:
     """The planner and --autoscale flags (on `pdserve router` and `pdserve up`)."""
-    from pdserve.router_main import _true_or_false
+    from pdserve.router_args import _true_or_false
     from router.ops.planner.autoscale import AutoscaleSettings
     from router.ops.planner.model import PlanSettings, RoleBounds
 
