@@ -113,6 +113,7 @@ def result_json(m: BenchmarkMetrics, run: RunResult, info: RunInfo, goodput: boo
         "output_throughput": m.output_throughput, "total_token_throughput": m.total_token_throughput,
         "input_lens": [o.prompt_len for o in outputs], "output_lens": list(m.output_lens),
         "ttfts": [o.ttft for o in outputs], "itls": [list(o.itl) for o in outputs],
+        "deliveries": [list(o.delivery) for o in outputs],
         "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
         "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
         "max_output_tokens_per_s": m.max_output_tokens_per_s,
