@@ -40,7 +40,7 @@ from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.ops.timeline import RouteSummary
 from router.routing.admission import AdmissionQueue, AdmissionSettings
 from router.routing.first_token import (
-    FirstToken, next_event, race_first_token, settle_prefill, skip_delivered)
+    FirstToken, next_event, race_first_token, settle_prefill, skip_delivered, split_final)
 from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
 from router.serving.trace import BackendTrace
 from router.cluster.state import ClusterSnapshot
@@ -232,6 +232,10 @@ class ClusterBackend:
                 delta, skip = skip_delivered(stream_delta(event, path, route), skip)
                 if delta is None:
                     continue
+                head, delta = split_final(delta, late_prefill)
+                if head is not None:  # its tokens go now; the finish waits for the Prefill reply
+                    generated += len(head.token_ids)
+                    yield head
                 delta = await self._with_prefill_cache_hit(delta, late_prefill)
                 if untold is not None:
                     trace.mark("first_token")
