@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 from router.routing.worker_replies import (  # noqa: F401 (the paths are imported from here too)
     PATH_COLOCATED, PATH_DISAGGREGATED, reply_delta, stream_delta, streams_first_token, trace_prefill,
-    trace_reserve)
+    trace_reserve, wire_seconds)
 
 RouteRequestBuilder = Callable[[tuple[int, ...], "int | None", ClusterSnapshot], RouteRequest]
 """Builds a policy's view of a request (the prefix index fills in cached blocks)."""
@@ -439,7 +439,7 @@ class ClusterBackend:
                     logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
                                    request.request_id, worker_id, exc.code().name, exc.details())
                     continue
-                self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, reply.transfer.seconds)
+                self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, wire_seconds(reply.transfer))
                 trace_prefill(trace, worker_id, attempt, time.monotonic() - sent_at, reply,
                                ticket.num_cached_tokens // max(info.block_size, 1))
                 return reply_delta(reply, ticket)
