@@ -136,7 +136,9 @@ class TransferResult:
     wire_seconds: float | None = None
     """The part of `seconds` the channel had this transfer's bytes to move: `seconds` less
     the time the sender waited, with every send it had posted done, for the prefill to
-    compute the next layer or the first token. None: not measured (a receiver's result)."""
+    compute the next layer or the first token. An upper bound on the wire's own time: it keeps
+    the sender thread's waits for the GIL (which a busy engine thread holds) after each send.
+    None: not measured (a receiver's result)."""
 
     def __post_init__(self) -> None:
         if self.state not in TERMINAL_STATES:

@@ -67,7 +67,8 @@ class TransferSummary:
     """Prompt blocks the decode worker already held (its prefix-cache hit): not sent."""
     backend: str
     wire_seconds: float | None = None
-    """The part of `seconds` the channel had bytes to move; None: the worker did not say."""
+    """The part of `seconds` the channel had bytes to move (an upper bound: it keeps the
+    sender's waits for its process's GIL); None: the worker did not say."""
 
     @property
     def gbps(self) -> float:
