@@ -113,13 +113,14 @@ def result_json(m: BenchmarkMetrics, run: RunResult, info: RunInfo, goodput: boo
         "output_throughput": m.output_throughput, "total_token_throughput": m.total_token_throughput,
         "input_lens": [o.prompt_len for o in outputs], "output_lens": list(m.output_lens),
         "ttfts": [o.ttft for o in outputs], "itls": [list(o.itl) for o in outputs],
-        "deliveries": [list(o.delivery) for o in outputs],
         "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
         "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
         "max_output_tokens_per_s": m.max_output_tokens_per_s,
         "max_concurrent_requests": m.max_concurrent_requests,
         "client_cpu_percent": run.cpu_percent, "client_cpu_seconds": run.cpu_s,
     }
+    if any(o.delivery for o in outputs):  # pdserve's per-token sample times: which tokens were late
+        result["deliveries"] = [list(o.delivery) for o in outputs]
     stats = dict(m.stats) | ({"delivery": m.delivery} if m.delivery is not None else {})
     for name, s in stats.items():
         result[f"mean_{name}_ms"], result[f"median_{name}_ms"], result[f"std_{name}_ms"] = s.mean, s.median, s.std
