@@ -25,7 +25,6 @@ same ticket. A payload of the wrong size is reported and written nowhere.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -38,13 +37,6 @@ from kv_transfer.base import KVReceiver, ReceivedKV, TransferHeader, TransferRes
 from kv_transfer.packing import unpack_blocks
 
 logger = logging.getLogger(__name__)
-
-IMPORT_NICE = 10
-"""How much lower than the process's the import thread's CPU priority is (Linux nice, per
-thread). A decode worker often has one core: while the engine steps, an unpack running beside
-it takes its time slices, so every running stream's next token waited for other requests'
-arriving KV. At +10 the scheduler gives the engine thread ~90% of a shared core; the unpack
-still advances in the rest, and the first token is streamed before it (the early sink)."""
 
 WAIT_S = 0.05
 """Longest the thread sleeps in receiver.wait() between polls (bounds how long stop() takes;
@@ -138,7 +130,6 @@ class KVImporter:
 
     # ---------------------------------------------------------- import thread
     def _run(self) -> None:
-        _lower_priority(IMPORT_NICE)
         while not self._stop.is_set():
             self._receiver.wait(WAIT_S)
             for received in self._receiver.poll():
@@ -177,13 +168,3 @@ class KVImporter:
             return Arrival(header, received.result, None, time.time(), sent)
         finally:
             self._receiver.recycle(payload)  # copied into blocks (or dropped): D may reuse it
-
-
-def _lower_priority(by: int) -> None:
-    """Raise this thread's nice value by `by` (Linux: per thread; lowering a priority needs no
-    privilege). Elsewhere, or refused, the thread keeps the process's priority."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + by, 19))
-    except (AttributeError, OSError) as exc:  # no per-thread priorities here
-        logger.debug("kv-import thread keeps the process's priority: %s", exc)

@@ -7,7 +7,6 @@ before the Prefill call returns. Each test ends with no record left and no block
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -15,7 +14,6 @@ import grpc
 import pytest
 import torch
 
-from decode_worker.kv_import import IMPORT_NICE
 from decode_worker.servicer import DecodeWorkerServicer
 from decode_worker.worker import DecodeState
 from engine.sampling_params import SamplingParams
@@ -247,12 +245,3 @@ def test_over_grpc_the_first_event_after_the_ticket_is_the_first_token_only_with
     assert [len(e.tokens.sampled_at) for e in events] == [1] * len(events)
     assert [e.tokens.finish_reason for e in events][-1] == "length"
     _idle(pair)
-
-
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities are a Linux feature")
-def test_the_import_thread_runs_at_a_lower_cpu_priority_than_the_engine_loop(pair):
-    base, wanted = os.getpriority(os.PRIO_PROCESS, 0), min(os.getpriority(os.PRIO_PROCESS, 0) + IMPORT_NICE, 19)
-    importer = lambda: os.getpriority(os.PRIO_PROCESS, pair.decode.importer._thread.native_id)  # noqa: E731
-    assert wait_until(lambda: importer() == wanted, 5)  # set as the thread starts
-    engine = os.getpriority(os.PRIO_PROCESS, pair.decode.loop._thread.native_id)
-    assert (importer(), engine) == (wanted, base)
