@@ -78,9 +78,10 @@ def test_a_streamed_transfers_wire_seconds_leave_out_the_wait_for_the_prefills_c
     finally:
         sender.close()
     computing_s = (layers + 1) * gap_s  # the producer's sleeps: layers, then the sampler
-    assert streamed.seconds >= computing_s
+    # The producer starts its first sleep a moment before the sender opens the transfer.
+    assert streamed.seconds > computing_s - 0.1
     # Loaded machine: wide margin; the bytes themselves take milliseconds on loopback.
-    assert streamed.wire_seconds < streamed.seconds - computing_s + 0.2, (streamed, computing_s)
+    assert streamed.wire_seconds < streamed.seconds - computing_s + 0.3, (streamed, computing_s)
     assert streamed.wire_gbps > streamed.gbps
     assert oneshot.wire_seconds == oneshot.seconds
 
