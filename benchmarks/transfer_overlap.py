@@ -12,6 +12,11 @@ EngineCore of the default model, then gets its KV to D (the child) two ways, bac
 tail = first token sampled on P -> D's poll() returns the complete KV (CLOCK_MONOTONIC, shared
 by both processes). hidden share = 1 - tail(layered) / tail(one-shot), medians: the part of the
 transfer (packing included) no longer on the request's path to its first token.
+
+The layered transfer's own numbers, as P's TransferResult reports them (what timelines and the
+dashboard show): open = doorbell -> ack, the prefill's forward pass and sampling included;
+wire = open less the sender's waits for the next layer or the first token with every send it
+had posted done; wire GB/s = bytes / wire (the channel's speed, comparable to the one-shot rows).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,11 +38,21 @@ class OverlapResult:
     compute_s: list[float]
     tail_oneshot_s: list[float]
     tail_layered_s: list[float]
+    nbytes: int = 0
+    open_layered_s: list[float] = field(default_factory=list)
+    """P's TransferResult.seconds of the layered transfer (doorbell -> ack)."""
+    wire_layered_s: list[float] = field(default_factory=list)
+    """P's TransferResult.wire_seconds of the layered transfer."""
 
     @property
     def hidden(self) -> float:
         med = statistics.median
         return 1 - med(self.tail_layered_s) / med(self.tail_oneshot_s)
+
+    @property
+    def wire_gbps(self) -> float:
+        wire = statistics.median(self.wire_layered_s) if self.wire_layered_s else 0.0
+        return self.nbytes / wire / 1e9 if wire > 0 else 0.0
 
 
 class OverlapBench:
@@ -73,8 +88,8 @@ class OverlapBench:
         index = block_index(work.block_ids, caches)
         return lambda layer: self._feed.put(layer, pack_layer(caches[layer], index))
 
-    def once(self, tokens: int, layered: bool) -> tuple[float, float, int]:
-        """(prefill compute s, tail s, steps) of one fresh prompt."""
+    def once(self, tokens: int, layered: bool) -> tuple[float, float, int, object]:
+        """(prefill compute s, tail s, steps, P's TransferResult) of one fresh prompt."""
         from engine.request import Request
         from engine.sampling_params import SamplingParams
         from kv_transfer.packing import make_header, pack_blocks
@@ -101,29 +116,32 @@ class OverlapBench:
         _, _, state, _, _, polled, error = self.child.answer()
         if state != "done":
             raise RuntimeError(f"ticket {ticket} failed on D: {error}")
-        while not self.sender.poll():
+        while not (results := self.sender.poll()):
             time.sleep(0.001)
-        return sampled - start, polled - sampled, steps
+        return sampled - start, polled - sampled, steps, results[0]
 
     def measure(self, tokens: int, repeat: int) -> OverlapResult:
         self.once(tokens, layered=True)  # warm-up
         result = OverlapResult(tokens, 0, [], [], [])
         for run in range(repeat):
-            compute, one_tail, steps = self.once(tokens, layered=False)
-            _, layered_tail, _ = self.once(tokens, layered=True)
-            result.chunks = steps
+            compute, one_tail, steps, _ = self.once(tokens, layered=False)
+            _, layered_tail, _, sent = self.once(tokens, layered=True)
+            result.chunks, result.nbytes = steps, sent.nbytes
+            result.open_layered_s.append(sent.seconds)
+            result.wire_layered_s.append(sent.wire_seconds if sent.wire_seconds is not None else sent.seconds)
             result.compute_s.append(compute)
             result.tail_oneshot_s.append(one_tail)
             result.tail_layered_s.append(layered_tail)
             print(f"  overlap {tokens} tokens run {run + 1}/{repeat}: prefill {compute * 1e3:.0f} ms, "
-                  f"first token -> KV at D: one-shot {one_tail * 1e3:.1f} ms, layered {layered_tail * 1e3:.1f} ms",
+                  f"first token -> KV at D: one-shot {one_tail * 1e3:.1f} ms, layered {layered_tail * 1e3:.1f} ms; "
+                  f"layered open {sent.seconds * 1e3:.1f} ms, on the wire {result.wire_layered_s[-1] * 1e3:.1f} ms",
                   flush=True)
         return result
 
 
 OVERLAP_HEADERS = ["prompt tokens", "prefill steps (chunks)", "prefill ms", "one-shot: token -> KV at D ms",
                    "layered: token -> KV at D ms", "share of transfer hidden", "one-shot per run ms",
-                   "layered per run ms"]
+                   "layered per run ms", "layered: open ms (doorbell -> ack)", "layered: wire ms", "layered: wire GB/s"]
 
 
 def overlap_rows(results: list[OverlapResult]) -> list[list[str]]:
@@ -131,7 +149,8 @@ def overlap_rows(results: list[OverlapResult]) -> list[list[str]]:
     per_run = lambda xs: " / ".join(f"{x * 1e3:.1f}" for x in xs)  # noqa: E731
     return [[r.tokens, r.chunks, f"{med(r.compute_s) * 1e3:.0f}", f"{med(r.tail_oneshot_s) * 1e3:.1f}",
              f"{med(r.tail_layered_s) * 1e3:.1f}", f"{r.hidden:.0%}", per_run(r.tail_oneshot_s),
-             per_run(r.tail_layered_s)] for r in results]
+             per_run(r.tail_layered_s), f"{med(r.open_layered_s) * 1e3:.1f}", f"{med(r.wire_layered_s) * 1e3:.1f}",
+             f"{r.wire_gbps:.2f}"] for r in results]
 
 
 def run_overlap(sender, child, tickets, sizes: list[int], repeat: int, seed: int) -> list[OverlapResult]:

@@ -10,8 +10,10 @@ Who may write a ticket's blocks (the engine allocated them; only the loop frees 
 
     expect(ticket, blocks)   loop, at reservation: a landing opens; the blocks may be written
     (import thread)          a payload for the ticket arrives: under the landing's lock, if
-                             it is still open, unpack into the blocks and close it; then an
-                             Arrival goes to the loop (take())
+                             it is still open, hand the first token to the landing's
+                             early sink (if any: the stream gets it now, not at the loop's
+                             next step boundary), unpack into the blocks and close it; then
+                             an Arrival goes to the loop (take())
     cancel(ticket)           loop, before it frees the blocks (abort, expiry, failure, drain):
                              closes the landing, waiting for a write in progress (one unpack at
                              most), so no write lands in a block once it is freed and reused
@@ -41,6 +43,10 @@ WAIT_S = 0.05
 an arrival wakes it at once on the gloo and local receivers)."""
 
 Unpack = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[int]], None]
+EarlySink = Callable[[TransferHeader], bool]
+"""Called on the import thread with a payload's header (first token id and sample time) before
+its unpack; True when it streamed the first token (the loop then must not stream it again).
+Must not block: it only queues the token for the request's stream."""
 
 
 @dataclass(frozen=True)
@@ -54,13 +60,16 @@ class Arrival:
     """Why a delivered payload was not imported (the request fails); None when it was."""
     arrived_at: float
     """Unix time the import finished (or the failure was seen) on this worker."""
+    first_token_sent: bool = False
+    """The landing's early sink already streamed the first token (before the unpack)."""
 
 
 class _Landing:
     """Where one ticket's KV goes. `open` is read and written only under `lock`."""
 
-    def __init__(self, block_ids: tuple[int, ...]) -> None:
+    def __init__(self, block_ids: tuple[int, ...], early: EarlySink | None) -> None:
         self.block_ids = block_ids
+        self.early = early
         self.lock = threading.Lock()
         self.open = True
 
@@ -98,10 +107,11 @@ class KVImporter:
             return len(self._landings)
 
     # ------------------------------------------------------------ loop thread
-    def expect(self, ticket_id: int, block_ids: Sequence[int]) -> None:
-        """The ticket's KV may be written into `block_ids` from now until cancel()."""
+    def expect(self, ticket_id: int, block_ids: Sequence[int], early: EarlySink | None = None) -> None:
+        """The ticket's KV may be written into `block_ids` from now until cancel(); `early`
+        gets the payload's header first (the first token streams before the unpack)."""
         with self._lock:
-            self._landings[ticket_id] = _Landing(tuple(block_ids))
+            self._landings[ticket_id] = _Landing(tuple(block_ids), early)
 
     def cancel(self, ticket_id: int) -> None:
         """Nothing is written into the ticket's blocks after this returns. Idempotent."""
@@ -150,10 +160,11 @@ class KVImporter:
                     logger.warning("KV for closed ticket %d dropped", header.ticket_id)
                     return None
                 landing.open = False
+                sent = landing.early is not None and landing.early(header)
                 self._unpack(payload, self._kv_caches, landing.block_ids)
             with self._lock:
                 if self._landings.get(header.ticket_id) is landing:
                     del self._landings[header.ticket_id]
-            return Arrival(header, received.result, None, time.time())
+            return Arrival(header, received.result, None, time.time(), sent)
         finally:
             self._receiver.recycle(payload)  # copied into blocks (or dropped): D may reuse it

@@ -130,7 +130,15 @@ class TransferResult:
     state: TransferState
     nbytes: int
     seconds: float
+    """Doorbell to ack. For a layer-streamed transfer this includes the wait for the prefill
+    to compute each layer and the first token: it is not the channel's speed."""
     error: str | None = None
+    wire_seconds: float | None = None
+    """The part of `seconds` the channel had this transfer's bytes to move: `seconds` less
+    the time the sender waited, with every send it had posted done, for the prefill to
+    compute the next layer or the first token. An upper bound on the wire's own time: it keeps
+    the sender thread's waits for the GIL (which a busy engine thread holds) after each send.
+    None: not measured (a receiver's result)."""
 
     def __post_init__(self) -> None:
         if self.state not in TERMINAL_STATES:
@@ -142,6 +150,12 @@ class TransferResult:
     def gbps(self) -> float:
         """Payload gigabytes (1e9 bytes) per second; 0.0 when no time was measured."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def wire_gbps(self) -> float:
+        """Payload GB/s over wire_seconds (the channel's speed; `seconds` where not measured)."""
+        took = self.wire_seconds if self.wire_seconds is not None else self.seconds
+        return self.nbytes / took / 1e9 if took > 0 else 0.0
 
 
 @dataclass(frozen=True)

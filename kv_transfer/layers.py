@@ -80,6 +80,16 @@ class LayerFeed:
                 self._cond.notify_all()
 
     # ------------------------------------------------------------- consumer
+    def ready(self, layer: int) -> bool:
+        """Layer `layer` is in (or the feed is cancelled): get() would not wait. Never blocks."""
+        with self._cond:
+            return layer in self._layers or self._cancelled is not None
+
+    def finished(self) -> bool:
+        """The first token is in (or the feed is cancelled): trailer() would not wait."""
+        with self._cond:
+            return self._first is not None or self._cancelled is not None
+
     def get(self, layer: int, timeout_s: float) -> torch.Tensor:
         """Layer `layer`, once put (it leaves the feed). Raises FeedCancelled when cancelled
         or not put within timeout_s."""

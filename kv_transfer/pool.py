@@ -1,13 +1,15 @@
-"""ChannelPool: P's open channels, one per decode worker, at most `max_channels` of them.
+"""ChannelPool: P's open channels, `lanes` per decode worker, at most `max_channels` x `lanes`.
 
 A channel (a 2-rank process group) costs sockets, a thread, and with NCCL GPU memory, so P
 keeps a bounded set: the least recently used idle channel is closed to make room, and a
-broken one is dropped once its results have been polled.
+broken one is dropped once its results have been polled. Whoever hands out addresses (the
+prefill worker's ChannelOpenings) hears of each close through `on_close`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kv_transfer.base import ChannelAddress, KVSender, KVTransferBackend, TransferResult
 
@@ -15,10 +17,15 @@ from kv_transfer.base import ChannelAddress, KVSender, KVTransferBackend, Transf
 class ChannelPool:
     """Lazily connected senders keyed by address. Used from one thread (the worker's loop)."""
 
-    def __init__(self, backend: KVTransferBackend, max_channels: int | None = None) -> None:
+    def __init__(self, backend: KVTransferBackend, max_channels: int | None = None, lanes: int = 1) -> None:
+        """max_channels: decode workers' worth of channels (the backend's config when None);
+        lanes: channels per decode worker (a channel carries one transfer at a time)."""
         self._backend = backend
-        self.max_channels = max_channels or backend.config.max_channels
+        self.lanes = lanes
+        self.max_channels = (max_channels or backend.config.max_channels) * lanes
         self._senders: OrderedDict[ChannelAddress, KVSender] = OrderedDict()
+        self.on_close: Callable[[ChannelAddress], None] | None = None
+        """Called (on the pool's thread) with each channel the pool closes."""
 
     def get(self, address: ChannelAddress) -> KVSender | None:
         """The sender for `address`, connecting if needed (does not block on the network).
@@ -62,3 +69,5 @@ class ChannelPool:
 
     def _close(self, address: ChannelAddress) -> None:
         self._senders.pop(address).close()
+        if self.on_close is not None:
+            self.on_close(address)

@@ -10,10 +10,13 @@ transfer: the missing layers go as zeros under a CANCELLED trailer, so the chann
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -148,16 +151,21 @@ class TorchDistSender(KVSender):
         started = wire.Deadline(self._config.timeout_s)
         nbytes = header.payload_nbytes
         device = source.device if isinstance(source, torch.Tensor) else torch.device(self._config.device)
-        cancelled = None
+        cancelled, idle = None, _Idle(self._config.timeout_s)
         try:
             store.set(wire.ring_key(seq), wire.XFER)
             started.wait(group.send(
                 [wire.header_tensor(header.to_ints(), device)], wire.RANK_D,
                 wire.TAG_HEADER))
-            posted, cancelled = self._post_layers(group, header, source, device) if nbytes else ([], None)
-            trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
+            posted, cancelled = self._post_layers(group, header, source, device, idle) if nbytes else ([], None)
+            if isinstance(source, LayerFeed) and cancelled is None and not source.finished():
+                idle.drain(posted)
+                with idle.waiting():
+                    trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
+            else:
+                trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
             rest = wire.Deadline(self._config.timeout_s)
-            for work, _ in posted:
+            for work, _ in posted[idle.drained:]:  # a gloo send is waited once: a second wait hangs
                 rest.wait(work)
             rest.wait(group.send([wire.header_tensor(trailer, device)], wire.RANK_D, wire.TAG_TRAILER))
             ack = torch.empty(2, dtype=torch.int64, device=device)
@@ -174,21 +182,26 @@ class TorchDistSender(KVSender):
         if cancelled is not None:  # only this transfer fails; the channel is in step
             self._finish(header, 0, started.elapsed(), f"ticket {header.ticket_id} cancelled: {cancelled}")
             return
-        self._finish(header, nbytes, started.elapsed(), None)
+        took = started.elapsed()
+        self._finish(header, nbytes, took, None, max(took - idle.seconds, 0.0))
 
     def _post_layers(self, group: ProcessGroup, header: TransferHeader, source: torch.Tensor | LayerFeed,
-                     device: torch.device) -> tuple[list, str | None]:
+                     device: torch.device, idle: _Idle) -> tuple[list, str | None]:
         """Post every layer's send in turn, each as soon as it exists (sends overlap each other
         and the wait for the next layer). Returns the posted (work, tensor) pairs (the tensor
         must live until its send completes) and None, or why the feed was cancelled (the
-        layers it lacks then go as zeros)."""
+        layers it lacks then go as zeros). A layer not computed yet: the sends posted finish
+        first (wire time), then the wait for the layer counts as idle."""
         cancelled, posted = None, []
         for layer in range(header.num_layers):
             if isinstance(source, torch.Tensor):
                 kv = source[layer]  # a contiguous view
             elif cancelled is None:
+                if not source.ready(layer):
+                    idle.drain(posted)
                 try:
-                    kv = source.get(layer, self._config.timeout_s / 2)
+                    with idle.waiting():
+                        kv = source.get(layer, self._config.timeout_s / 2)
                 except FeedCancelled as e:
                     cancelled = str(e)
             if cancelled is not None:
@@ -196,11 +209,12 @@ class TorchDistSender(KVSender):
             posted.append((group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD), kv))
         return posted, cancelled
 
-    def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None) -> None:
+    def _finish(self, header: TransferHeader, nbytes: int, secs: float, error: str | None,
+                wire_s: float | None = None) -> None:
         state = TransferState.FAILED if error is not None else TransferState.DONE
         with self._lock:
             self._states[header.ticket_id] = state
-            self._results.append(TransferResult(header.ticket_id, state, nbytes, secs, error))
+            self._results.append(TransferResult(header.ticket_id, state, nbytes, secs, error, wire_s))
 
     def _break(self, error: str) -> None:
         if self._error is None:
@@ -210,6 +224,33 @@ class TorchDistSender(KVSender):
     def _where(self) -> str:
         a = self.address
         return f"{a.host}:{a.port}/{a.channel_id}"
+
+
+class _Idle:
+    """The seconds one transfer's sender spent waiting for the producer (the prefill's compute)
+    with nothing of this transfer on the wire: what `seconds` less this leaves is wire time."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.seconds = 0.0
+        self.drained = 0
+        """posted[:drained] were waited for (gloo counts completions: never wait one twice)."""
+        self._timeout_s = timeout_s
+
+    def drain(self, posted: list) -> None:
+        """Let every posted send finish (the wire's time, not idle). Bounded like the rest of
+        the wire: timeout_s for all of them; raises RuntimeError past it."""
+        budget = wire.Deadline(self._timeout_s)
+        for work, _ in posted[self.drained:]:
+            budget.wait(work)
+        self.drained = len(posted)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - began
 
 
 def _trailer(header: TransferHeader, source: torch.Tensor | LayerFeed, cancelled: str | None,

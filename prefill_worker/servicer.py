@@ -39,7 +39,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_tokens=result.num_cached_tokens,
             transfer=worker_pb2.TransferStats(
                 bytes=result.nbytes, seconds=result.seconds, num_blocks=result.num_blocks,
-                backend=self.worker.backend_name),
+                backend=self.worker.backend_name, wire_seconds=result.wire_seconds),
             timing=worker_pb2.PrefillTiming(queue_s=result.queue_s, compute_s=result.compute_s,
                                             first_token_at=result.first_token_at),
         )

@@ -140,4 +140,5 @@ class KVShipper:
             queue_s=queue_s,
             compute_s=compute_s,
             first_token_at=record.timing.first_token_unix,
+            wire_seconds=result.wire_seconds,
         ))

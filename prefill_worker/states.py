@@ -173,6 +173,8 @@ class PrefillResult:
     compute_s: float = 0.0
     first_token_at: float = 0.0
     """Unix time the first token was sampled (0: unknown)."""
+    wire_seconds: float | None = None
+    """The part of `seconds` the channel had bytes to move (TransferResult.wire_seconds)."""
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         """The transport's limit per wire operation (TransferConfig.timeout_s): a drain waits
         a bounded multiple of it for transfers already queued when its own timeout passes."""
-        self._openings = ChannelOpenings(open_channel)
+        self._openings = ChannelOpenings(open_channel, lanes=channels.lanes)
+        channels.on_close = self._openings.forget_address  # an evicted lane reopens, not rejoins
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)

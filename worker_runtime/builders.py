@@ -16,6 +16,7 @@ from decode_worker.worker import DecodeWorker
 from engine.core import EngineCore
 from kv_transfer.base import KV_TRANSFER_BACKENDS, ChannelAddress, TransferConfig
 from kv_transfer.pool import ChannelPool
+from prefill_worker.openings import CHANNEL_LANES
 from prefill_worker.servicer import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
 from proto.internal_auth import internal_channel
@@ -69,7 +70,8 @@ def build_prefill(spec: WorkerSpec, secret: bytes) -> PrefillWorker:
                                            secret)
 
     backend = KV_TRANSFER_BACKENDS.get(spec.kv_transfer)(transfer)
-    worker = PrefillWorker(core, ChannelPool(backend), opener, worker_id=spec.worker_id,
+    lanes = CHANNEL_LANES if spec.kv_transfer == "gloo" else 1  # an NCCL group costs GPU memory
+    worker = PrefillWorker(core, ChannelPool(backend, lanes=lanes), opener, worker_id=spec.worker_id,
                            backend_name=spec.kv_transfer, transfer_timeout_s=spec.transfer_timeout_s)
     return worker
 

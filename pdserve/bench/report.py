@@ -119,6 +119,8 @@ def result_json(m: BenchmarkMetrics, run: RunResult, info: RunInfo, goodput: boo
         "max_concurrent_requests": m.max_concurrent_requests,
         "client_cpu_percent": run.cpu_percent, "client_cpu_seconds": run.cpu_s,
     }
+    if any(o.delivery for o in outputs):  # pdserve's per-token sample times: which tokens were late
+        result["deliveries"] = [list(o.delivery) for o in outputs]
     stats = dict(m.stats) | ({"delivery": m.delivery} if m.delivery is not None else {})
     for name, s in stats.items():
         result[f"mean_{name}_ms"], result[f"median_{name}_ms"], result[f"std_{name}_ms"] = s.mean, s.median, s.std

@@ -59,16 +59,29 @@ class RouteSummary:
 class TransferSummary:
     nbytes: int
     seconds: float
+    """Doorbell to ack on the prefill worker: with layer streaming the transfer opens while the
+    prefill computes, so this includes the wait for its layers and first token."""
     num_blocks: int
     """Blocks sent over the data channel."""
     blocks_skipped: int
     """Prompt blocks the decode worker already held (its prefix-cache hit): not sent."""
     backend: str
+    wire_seconds: float | None = None
+    """The part of `seconds` the channel had bytes to move (an upper bound: it keeps the
+    sender's waits for its process's GIL); None: the worker did not say."""
 
     @property
     def gbps(self) -> float:
-        """GB/s (1e9 bytes per second); 0 when nothing was timed."""
+        """GB/s (1e9 bytes per second) over `seconds` (the compute waits included); 0 when
+        nothing was timed."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def wire_gbps(self) -> float | None:
+        """GB/s over wire_seconds: the channel's speed; None when not measured."""
+        if self.wire_seconds is None:
+            return None
+        return self.nbytes / self.wire_seconds / 1e9 if self.wire_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +119,8 @@ class Timeline:
         if self.route is not None:
             body["route"] = {**asdict(self.route), "inputs": dict(self.route.inputs)}
         if self.transfer is not None:
-            body["transfer"] = {**asdict(self.transfer), "gbps": self.transfer.gbps}
+            body["transfer"] = {**asdict(self.transfer), "gbps": self.transfer.gbps,
+                                "wire_gbps": self.transfer.wire_gbps}
         return body
 
 

@@ -37,6 +37,8 @@ def _attributes(timeline: Timeline) -> dict[str, object]:
         t = timeline.transfer
         attrs.update({"pdserve.kv.bytes": t.nbytes, "pdserve.kv.seconds": t.seconds, "pdserve.kv.blocks": t.num_blocks,
                       "pdserve.kv.blocks_skipped": t.blocks_skipped, "pdserve.kv.backend": t.backend})
+        if t.wire_seconds is not None:
+            attrs["pdserve.kv.wire_seconds"] = t.wire_seconds
     if timeline.error is not None:
         attrs["pdserve.error"] = timeline.error
     return attrs

@@ -39,7 +39,7 @@ from proto.pdserve.v1 import worker_pb2
 from router.ops.timeline import RouteSummary
 from router.routing.admission import AdmissionQueue, AdmissionSettings
 from router.routing.first_token import (
-    FirstToken, next_event, race_first_token, settle_prefill, skip_delivered)
+    FirstToken, next_event, race_first_token, settle_prefill, skip_delivered, split_final)
 from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
 from router.serving.trace import BackendTrace
 from router.cluster.state import ClusterSnapshot
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 from router.routing.worker_replies import (  # noqa: F401 (the paths are imported from here too)
     PATH_COLOCATED, PATH_DISAGGREGATED, reply_delta, stream_delta, streams_first_token, trace_prefill,
-    trace_reserve)
+    trace_reserve, wire_seconds)
 
 class ClusterBackend:
     def __init__(
@@ -117,9 +117,12 @@ class ClusterBackend:
             what = f"decode worker {run.admitted.decode_id}"
             while (event := await next_event(stream, run.pending, wait_s, what)) is not grpc.aio.EOF:
                 wait_s = self.timeouts.stream_idle_s
-                if (delta := await self._next_delta(run, event)) is None:
+                if (delta := self._stream_delta(run, event)) is None:
                     continue
-                yield run.count(delta)
+                head, delta = split_final(delta, run.late_prefill)
+                if head is not None:  # its tokens go now; the finish waits for the Prefill reply
+                    yield run.count(head)
+                yield run.count(await self._told(run, delta))
                 if run.finished:
                     return
             raise WorkerFailure("the decode worker ended the stream before the request finished")
@@ -166,12 +169,14 @@ class ClusterBackend:
         run.route = run.untold = None
         return first
 
-    async def _next_delta(self, run: _Run, event) -> TokenDelta | None:
-        """A decode stream event as the client's next delta; None for tokens it already has."""
+    def _stream_delta(self, run: _Run, event) -> TokenDelta | None:
+        """A decode stream event as a delta; None for tokens the client already has."""
         run.pending = None
         delta, run.skip = skip_delivered(stream_delta(event, run.path, run.route), run.skip)
-        if delta is None:
-            return None
+        return delta
+
+    async def _told(self, run: _Run, delta: TokenDelta) -> TokenDelta:
+        """The client's next delta: the late Prefill reply's cache hit and the trace on it."""
         if run.late_prefill is not None:
             delta = await self._with_prefill_cache_hit(delta, run.late_prefill)
         if run.untold is not None:
@@ -363,7 +368,7 @@ class ClusterBackend:
                     logger.warning("prefill of %s on %s failed (%s: %s); trying the next prefill worker",
                                    request.request_id, worker_id, exc.code().name, exc.details())
                     continue
-                self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, reply.transfer.seconds)
+                self.transfers.add(worker_id, admitted.decode_id, reply.transfer.bytes, wire_seconds(reply.transfer))
                 trace_prefill(trace, worker_id, attempt, time.monotonic() - sent_at, reply,
                                ticket.num_cached_tokens // max(info.block_size, 1))
                 return reply_delta(reply, ticket)

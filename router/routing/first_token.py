@@ -14,6 +14,11 @@ the stream and yields the first of the two, exactly once:
                    never by value: a model may repeat a token);
   a decode worker that does not stream it (an older one) -> the reply, as before.
 
+The stream's last delta does not wait for the late Prefill reply either: its tokens go at
+once (split_final) and only its finish (with the reply's prefix-cache hit in the usage)
+waits, bounded. The prefill worker settles its reply between engine steps, seconds after the
+KV landed under a queue of long prompts, and the last token used to wait that long.
+
 Failover (the next prefill worker, then the decode worker's own prefill) happens only while no
 token has reached the client.
 """
@@ -114,6 +119,22 @@ def skip_delivered(delta: TokenDelta, skip: int) -> tuple[TokenDelta | None, int
     if not rest.token_ids and rest.finish_reason is None:
         return None, skip - n
     return rest, skip - n
+
+
+def split_final(delta: TokenDelta, late_prefill: asyncio.Task | None) -> tuple[TokenDelta | None, TokenDelta]:
+    """(tokens to send now, the rest): a final delta whose Prefill reply is still out gives
+    its tokens now without the finish, and keeps the finish (with a user stop token, which
+    must stay with it) for after the reply. (None, delta) when nothing need wait."""
+    if late_prefill is None or late_prefill.done() or delta.finish_reason is None:
+        return None, delta
+    n = len(delta.token_ids) - (1 if delta.stop_token_id is not None else 0)
+    if n <= 0:
+        return None, delta
+    head = dataclasses.replace(delta, token_ids=delta.token_ids[:n], logprobs=delta.logprobs[:n],
+                               sampled_at=delta.sampled_at[:n], finish_reason=None, stop_token_id=None)
+    rest = dataclasses.replace(delta, token_ids=delta.token_ids[n:], logprobs=delta.logprobs[n:],
+                               sampled_at=delta.sampled_at[n:], route=None, trace=None)
+    return head, rest
 
 
 async def settle_prefill(task: asyncio.Task, finished: bool, wait_s: float) -> None:

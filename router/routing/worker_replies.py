@@ -70,4 +70,11 @@ def trace_prefill(trace: BackendTrace, worker_id: str, attempt: int, rpc_s: floa
         trace.prefill.update(worker_queue_ms=reply.timing.queue_s * 1000,
                              worker_compute_ms=reply.timing.compute_s * 1000)
     t = reply.transfer
-    trace.transfer = TransferSummary(t.bytes, t.seconds, t.num_blocks, blocks_skipped, t.backend)
+    trace.transfer = TransferSummary(t.bytes, t.seconds, t.num_blocks, blocks_skipped, t.backend,
+                                     t.wire_seconds if t.HasField("wire_seconds") else None)
+
+
+def wire_seconds(transfer: worker_pb2.TransferStats) -> float:
+    """The seconds a transfer's bytes were on the wire (what link GB/s divide by); a worker that
+    does not report it: its whole doorbell-to-ack seconds."""
+    return transfer.wire_seconds if transfer.HasField("wire_seconds") else transfer.seconds

@@ -87,6 +87,9 @@ def test_a_requests_timeline_has_every_phase_in_order_adding_up_to_e2e_and_the_w
     assert 0 < t["e2e_ms"] <= client_ms
     assert t["transfer"]["nbytes"] == after - before > 0
     assert t["transfer"]["num_blocks"] > 0 and t["transfer"]["backend"] == "gloo"
+    # streamed during the prefill: the wire's share of the open transfer, and its speed over it
+    assert 0 < t["transfer"]["wire_seconds"] <= t["transfer"]["seconds"]
+    assert t["transfer"]["wire_gbps"] == t["transfer"]["nbytes"] / t["transfer"]["wire_seconds"] / 1e9
     assert (t["path"], t["finish_reason"], t["completion_tokens"]) == ("disaggregated", "length", 8)
     assert (t["route"]["prefill_id"], t["route"]["decode_id"]) == (prefill["worker_id"], _workers(cluster)["decode"]["worker_id"])
     marks = {m["name"]: m["at_ms"] for m in t["marks"]}

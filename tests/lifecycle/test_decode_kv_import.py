@@ -138,6 +138,42 @@ def test_a_stream_first_token_request_streams_the_first_token_before_the_prefill
     _idle(pair)
 
 
+def test_the_first_token_streams_from_the_import_thread_while_the_engine_loop_is_held(pair):
+    payload = _payload(pair, 3, seed=2)
+
+    async def run():
+        ticket, outputs = await pair.decode.admit("r", P, PARAMS, 60.0, stream_first_token=True)
+        record = record_of(pair.decode, "r")
+        with loop_held(pair.decode):  # no step boundary, no commit until the block ends
+            sender = pair.backend.connect(pair.receiver.open_channel())
+            sender.send(make_header(ticket.ticket_id, 77, payload, first_token_at=1234.5), payload)
+            first = await asyncio.wait_for(outputs.get(), 10)
+            state_while_held = record.state
+        return first, state_while_held, record, await _rest(outputs)
+
+    first, state_while_held, record, rest = asyncio.run(run())
+    assert (first.new_token_ids, first.finish_reason, first.sampled_at, state_while_held) == (
+        (77,), None, 1234.5, S.TICKETED)
+    assert sum(len(i.new_token_ids) for i in rest) == PARAMS.max_tokens - 1  # 77 is not sent twice
+    assert record.history == [S.TICKETED, S.DECODING, S.FINISHED]
+    _idle(pair)
+
+
+def test_a_first_token_that_is_a_stop_token_waits_for_the_loop_and_streams_with_its_finish(pair):
+    stop_at_77 = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[77])
+    payload = _payload(pair, 3, seed=3)
+
+    async def run():
+        ticket, outputs = await pair.decode.admit("r", P, stop_at_77, 60.0, stream_first_token=True)
+        sender = pair.backend.connect(pair.receiver.open_channel())
+        sender.send(make_header(ticket.ticket_id, 77, payload), payload)
+        return await _rest(outputs)
+
+    items = asyncio.run(run())
+    assert [(i.new_token_ids, i.finish_reason, i.stop_reason) for i in items] == [((77,), "stop", 77)]
+    _idle(pair)
+
+
 def test_without_stream_first_token_the_stream_starts_at_the_second_token(pair, offline):
     async def run():
         ticket, outputs = await pair.decode.admit("r", P, PARAMS, 60.0)

@@ -30,9 +30,10 @@ class Decode(worker_pb2_grpc.DecodeWorkerServicer):
     for the Prefill reply and streams TOKENS[1:] (an older worker)."""
 
     def __init__(self, kv_in: asyncio.Event, replied: asyncio.Event, early: bool,
-                 first_after_reply: bool = False) -> None:
+                 first_after_reply: bool = False, rest_before_reply: bool = False) -> None:
         self.kv_in, self.replied, self.early = kv_in, replied, early
         self.first_after_reply = first_after_reply
+        self.rest_before_reply = rest_before_reply
         self.requests: list[worker_pb2.DecodeRequest] = []
         self.first_sent = asyncio.Event()
 
@@ -54,7 +55,8 @@ class Decode(worker_pb2_grpc.DecodeWorkerServicer):
                 await asyncio.sleep(0.05)
             yield _chunk(0)
             self.first_sent.set()
-        await self.replied.wait()
+        if not self.rest_before_reply:
+            await self.replied.wait()
         for k in (1, 2):
             yield _chunk(k)
 
@@ -102,9 +104,10 @@ def _info(worker_id: str, role: str, port: int) -> WorkerInfo:
 class Cluster:
     """One decode double and two prefill doubles on real gRPC servers, and a ClusterBackend."""
 
-    def __init__(self, early: bool = True, fail: bool = False, first_after_reply: bool = False) -> None:
+    def __init__(self, early: bool = True, fail: bool = False, first_after_reply: bool = False,
+                 rest_before_reply: bool = False) -> None:
         self.kv_in, self.replied, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.decode = Decode(self.kv_in, self.replied, early, first_after_reply)
+        self.decode = Decode(self.kv_in, self.replied, early, first_after_reply, rest_before_reply)
         self.prefill = Prefill(self.kv_in, self.replied, self.release, fail)
         self.spare = Prefill(asyncio.Event(), asyncio.Event(), self.release, fail)
         self.servers: list[grpc.aio.Server] = []
@@ -176,6 +179,26 @@ def test_the_first_token_comes_from_the_decode_stream_before_the_prefill_reply_r
     assert (trace.transfer.nbytes, trace.transfer.num_blocks, trace.transfer.blocks_skipped) == (NBYTES, 1, 1)
     assert (backend.transfers.count, backend.transfers.nbytes, backend.transfers.prefill_retries) == (1, NBYTES, 0)
     assert list(trace.marks) == ["backend_start", "reserve_start", "ticket", "first_token"]
+
+
+def test_the_last_token_reaches_the_client_before_the_prefill_reply_and_only_the_finish_waits_for_it():
+    async def run():
+        cluster = Cluster(early=True, rest_before_reply=True)
+        backend = await cluster.start()
+        stream = backend.generate(_request())
+        before = await asyncio.wait_for(_deltas(stream, 3), 10)
+        replied_before_last = cluster.replied.is_set()
+        cluster.release.set()
+        after = await asyncio.wait_for(_deltas(stream), 10)
+        await cluster.stop()
+        return before, replied_before_last, after
+
+    before, replied_before_last, after = asyncio.run(run())
+    assert replied_before_last is False
+    assert [(d.token_ids, d.finish_reason, d.sampled_at) for d in before] == [
+        ((7,), None, (1000.0,)), ((7,), None, (1000.5,)), ((9,), None, (1001.0,))]
+    assert [(d.token_ids, d.finish_reason, d.sampled_at, d.route, d.trace) for d in after] == [
+        ((), "length", (), None, None)]
 
 
 def test_a_prefill_reply_first_is_streamed_once_and_the_streams_copy_is_dropped_by_position():

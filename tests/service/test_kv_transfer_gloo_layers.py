@@ -63,6 +63,29 @@ def test_layers_put_while_computing_arrive_exactly_with_the_trailers_first_token
     assert (result.state, result.nbytes) == (TransferState.DONE, whole.numel() * 4)
 
 
+def test_a_streamed_transfers_wire_seconds_leave_out_the_wait_for_the_prefills_compute(receiver):
+    whole = payload(6, blocks=4)
+    layers, gap_s = whole.shape[0], 0.25
+    sender = gloo().connect(receiver.open_channel())
+    try:
+        feed = _feed(10, whole)
+        sender.send_layers(feed)
+        _produce(feed, whole, layers, finish=True, gap_s=gap_s).join(10)
+        drain(receiver.poll, 1)
+        (streamed,) = drain(sender.poll, 1)
+        sender.send(make_header(11, 5, whole), whole)  # one-shot: every byte exists at once
+        (oneshot,) = drain(sender.poll, 1)
+    finally:
+        sender.close()
+    computing_s = (layers + 1) * gap_s  # the producer's sleeps: layers, then the sampler
+    # The producer starts its first sleep a moment before the sender opens the transfer.
+    assert streamed.seconds > computing_s - 0.1
+    # Loaded machine: wide margin; the bytes themselves take milliseconds on loopback.
+    assert streamed.wire_seconds < streamed.seconds - computing_s + 0.3, (streamed, computing_s)
+    assert streamed.wire_gbps > streamed.gbps
+    assert oneshot.wire_seconds == oneshot.seconds
+
+
 def test_a_cancelled_feed_fails_its_ticket_and_the_channel_carries_the_next(receiver):
     whole, after = payload(4, blocks=3), payload(5, blocks=2)
     sender = gloo().connect(receiver.open_channel())

@@ -55,6 +55,7 @@ def test_delivery_delay_is_reported_in_the_block_and_json_when_the_server_sent_t
     result = result_json(metrics, run, INFO, goodput=False)
     assert result["mean_delivery_ms"] == pytest.approx(22 / 3)
     assert (result["median_delivery_ms"], result["p99_delivery_ms"]) == pytest.approx((8.0, 9.96))
+    assert result["deliveries"] == [[0.004, 0.010, 0.008]]  # per request, per token: which were late
 
 
 def test_without_sample_times_nothing_about_delivery_is_reported():

@@ -173,6 +173,17 @@ def test_pool_closes_the_least_recently_used_idle_channel_to_make_room():
     assert pool.addresses() == [addr(1), addr(3)]
 
 
+def test_pool_with_lanes_keeps_that_many_channels_per_decode_worker_and_reports_each_close():
+    backend, closed = FakeBackend(), []
+    pool = ChannelPool(backend, lanes=2)
+    pool.on_close = closed.append
+    for n in (1, 2, 3, 4):  # max_channels 2 (FakeBackend's config) x 2 lanes
+        pool.get(addr(n))
+    assert (pool.max_channels, closed) == (4, [])
+    pool.get(addr(5))
+    assert (closed, pool.addresses()) == ([addr(1)], [addr(2), addr(3), addr(4), addr(5)])
+
+
 def test_pool_full_of_busy_channels_returns_none_until_polled():
     backend = FakeBackend()
     pool = ChannelPool(backend)

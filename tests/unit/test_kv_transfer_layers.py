@@ -48,3 +48,15 @@ def test_cancel_after_finish_changes_nothing_and_a_layer_out_of_range_is_refused
     assert (feed.cancelled, feed.trailer(0.01)) == (None, (7, 0))
     with pytest.raises(ValueError, match="layer 2 out of range for 2 layers"):
         feed.put(2, torch.zeros(2, 1, 4, 1, 2))
+
+
+def test_ready_and_finished_say_whether_get_and_trailer_would_wait():
+    feed = LayerFeed(HEADER)
+    assert (feed.ready(0), feed.ready(1), feed.finished()) == (False, False, False)
+    feed.put(0, torch.zeros(1))
+    assert (feed.ready(0), feed.ready(1), feed.finished()) == (True, False, False)
+    feed.finish(5, None)
+    assert feed.finished() is True
+    cancelled = LayerFeed(HEADER)
+    cancelled.cancel("gone")
+    assert (cancelled.ready(1), cancelled.finished()) == (True, True)

@@ -9,8 +9,10 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.specs import RouterSpec
 from router.api.http import HttpSettings, create_app
-from router.ops.timeline import RouteSummary, TimelineStore, TransferSummary
+from proto.pdserve.v1 import worker_pb2
+from router.ops.timeline import RouteSummary, Timeline, TimelineStore, TransferSummary
 from router.ops.timeline_http import timeline_routes
+from router.routing.worker_replies import trace_prefill, wire_seconds
 from router.serving.backend import TokenDelta
 from router.serving.timeline_recorder import TimelineRecorder
 from router.serving.trace import BackendTrace
@@ -73,6 +75,26 @@ def test_a_disaggregated_request_has_every_phase_in_order_and_they_add_up_to_e2e
     assert body["ttft_ms"] == pytest.approx(100.0)
     assert body["route"]["inputs"] == {"score": 1.5}
     assert body["transfer"]["blocks_skipped"] == 1
+
+
+def test_a_transfer_streamed_during_the_prefill_reports_its_wire_seconds_and_speed_beside_its_open_time():
+    streamed = TransferSummary(1_100_000, 0.5, 3, 0, "gloo", wire_seconds=0.002)
+    older = TransferSummary(8192, 0.004, 2, 1, "gloo")
+    body = Timeline("r", 0.0, 1.0, (), transfer=streamed).to_json()["transfer"]
+    assert body == {"nbytes": 1_100_000, "seconds": 0.5, "num_blocks": 3, "blocks_skipped": 0,
+                    "backend": "gloo", "wire_seconds": 0.002, "gbps": pytest.approx(0.0022),
+                    "wire_gbps": pytest.approx(0.55)}
+    assert (older.wire_seconds, older.wire_gbps) == (None, None)
+
+
+def test_the_prefill_reply_s_wire_seconds_reach_the_trace_and_link_totals_use_them():
+    trace = BackendTrace(clock=Clock())
+    reply = worker_pb2.PrefillResponse(transfer=worker_pb2.TransferStats(
+        bytes=4096, seconds=0.5, num_blocks=1, backend="gloo", wire_seconds=0.001))
+    trace_prefill(trace, "p1", 1, 0.6, reply, blocks_skipped=2)
+    older = worker_pb2.TransferStats(bytes=4096, seconds=0.5, num_blocks=1, backend="gloo")
+    assert trace.transfer == TransferSummary(4096, 0.5, 1, 2, "gloo", wire_seconds=0.001)
+    assert (wire_seconds(reply.transfer), wire_seconds(older)) == (0.001, 0.5)
 
 
 def test_an_error_before_the_ticket_ends_the_timeline_in_the_phase_it_was_in():

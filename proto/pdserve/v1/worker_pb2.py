@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as proto_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\xb9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11ticket_timeout_ms\x18\x04 \x01(\r\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x1a\n\x12stream_first_token\x18\x06 \x01(\x08\"\xb0\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\x03\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x1d\n\x15\x66irst_token_on_stream\x18\x07 \x01(\x08\"f\n\x0b\x44\x65\x63odeEvent\x12$\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.TicketH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x07\n\x05\x65vent\"\x8e\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x12\n\nsampled_at\x18\x05 \x03(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"T\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"K\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x03 \x01(\x01\"\xcf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12+\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12)\n\x06timing\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\"]\n\x12OpenChannelRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"Q\n\x13OpenChannelResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x12\n\nchannel_id\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x9c\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\r\x12\x15\n\rcached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12\r\n\x05state\x18\x0c \x01(\t\x12\x11\n\tin_flight\x18\r \x01(\r\"6\n\x0c\x44rainRequest\x12\x17\n\ntimeout_ms\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"3\n\rDrainResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r2\xd6\x02\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12N\n\x0bOpenChannel\x12\x1e.pdserve.v1.OpenChannelRequest\x1a\x1f.pdserve.v1.OpenChannelResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse2\x8b\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1dproto/pdserve/v1/common.proto\"\xb9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11ticket_timeout_ms\x18\x04 \x01(\r\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x1a\n\x12stream_first_token\x18\x06 \x01(\x08\"\xb0\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\x03\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x1d\n\x15\x66irst_token_on_stream\x18\x07 \x01(\x08\"f\n\x0b\x44\x65\x63odeEvent\x12$\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.TicketH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x07\n\x05\x65vent\"\x8e\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x12\n\nsampled_at\x18\x05 \x03(\x01\"\x90\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"\x80\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x19\n\x0cwire_seconds\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_wire_seconds\"K\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x03 \x01(\x01\"\xcf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12+\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12)\n\x06timing\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\"]\n\x12OpenChannelRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"Q\n\x13OpenChannelResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x12\n\nchannel_id\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x9c\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x07 \x01(\r\x12\x15\n\rcached_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x04\x12\r\n\x05state\x18\x0c \x01(\t\x12\x11\n\tin_flight\x18\r \x01(\r\"6\n\x0c\x44rainRequest\x12\x17\n\ntimeout_ms\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"3\n\rDrainResponse\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r2\xd6\x02\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12N\n\x0bOpenChannel\x12\x1e.pdserve.v1.OpenChannelRequest\x1a\x1f.pdserve.v1.OpenChannelResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse2\x8b\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,30 +42,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_end=690
   _globals['_PREFILLREQUEST']._serialized_start=693
   _globals['_PREFILLREQUEST']._serialized_end=837
-  _globals['_TRANSFERSTATS']._serialized_start=839
-  _globals['_TRANSFERSTATS']._serialized_end=923
-  _globals['_PREFILLTIMING']._serialized_start=925
-  _globals['_PREFILLTIMING']._serialized_end=1000
-  _globals['_PREFILLRESPONSE']._serialized_start=1003
-  _globals['_PREFILLRESPONSE']._serialized_end=1210
-  _globals['_OPENCHANNELREQUEST']._serialized_start=1212
-  _globals['_OPENCHANNELREQUEST']._serialized_end=1305
-  _globals['_OPENCHANNELRESPONSE']._serialized_start=1307
-  _globals['_OPENCHANNELRESPONSE']._serialized_end=1388
-  _globals['_ABORTREQUEST']._serialized_start=1390
-  _globals['_ABORTREQUEST']._serialized_end=1424
-  _globals['_ABORTRESPONSE']._serialized_start=1426
-  _globals['_ABORTRESPONSE']._serialized_end=1458
-  _globals['_LOADREQUEST']._serialized_start=1460
-  _globals['_LOADREQUEST']._serialized_end=1473
-  _globals['_LOADREPORT']._serialized_start=1476
-  _globals['_LOADREPORT']._serialized_end=1760
-  _globals['_DRAINREQUEST']._serialized_start=1762
-  _globals['_DRAINREQUEST']._serialized_end=1816
-  _globals['_DRAINRESPONSE']._serialized_start=1818
-  _globals['_DRAINRESPONSE']._serialized_end=1869
-  _globals['_DECODEWORKER']._serialized_start=1872
-  _globals['_DECODEWORKER']._serialized_end=2214
-  _globals['_PREFILLWORKER']._serialized_start=2217
-  _globals['_PREFILLWORKER']._serialized_end=2484
+  _globals['_TRANSFERSTATS']._serialized_start=840
+  _globals['_TRANSFERSTATS']._serialized_end=968
+  _globals['_PREFILLTIMING']._serialized_start=970
+  _globals['_PREFILLTIMING']._serialized_end=1045
+  _globals['_PREFILLRESPONSE']._serialized_start=1048
+  _globals['_PREFILLRESPONSE']._serialized_end=1255
+  _globals['_OPENCHANNELREQUEST']._serialized_start=1257
+  _globals['_OPENCHANNELREQUEST']._serialized_end=1350
+  _globals['_OPENCHANNELRESPONSE']._serialized_start=1352
+  _globals['_OPENCHANNELRESPONSE']._serialized_end=1433
+  _globals['_ABORTREQUEST']._serialized_start=1435
+  _globals['_ABORTREQUEST']._serialized_end=1469
+  _globals['_ABORTRESPONSE']._serialized_start=1471
+  _globals['_ABORTRESPONSE']._serialized_end=1503
+  _globals['_LOADREQUEST']._serialized_start=1505
+  _globals['_LOADREQUEST']._serialized_end=1518
+  _globals['_LOADREPORT']._serialized_start=1521
+  _globals['_LOADREPORT']._serialized_end=1805
+  _globals['_DRAINREQUEST']._serialized_start=1807
+  _globals['_DRAINREQUEST']._serialized_end=1861
+  _globals['_DRAINRESPONSE']._serialized_start=1863
+  _globals['_DRAINRESPONSE']._serialized_end=1914
+  _globals['_DECODEWORKER']._serialized_start=1917
+  _globals['_DECODEWORKER']._serialized_end=2259
+  _globals['_PREFILLWORKER']._serialized_start=2262
+  _globals['_PREFILLWORKER']._serialized_end=2529
 # @@protoc_insertion_point(module_scope)

@@ -76,16 +76,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[Ticket, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("bytes", "seconds", "num_blocks", "backend")
+    __slots__ = ("bytes", "seconds", "num_blocks", "backend", "wire_seconds")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WIRE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     seconds: float
     num_blocks: int
     backend: str
-    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    wire_seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., wire_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("queue_s", "compute_s", "first_token_at")

@@ -90,8 +90,11 @@ export function renderWaterfall(el, t) {
     t.route ? h("p", { class: "route" }, `Route: ${t.route.prefill_id ?? "(decode worker prefilled)"} → ${t.route.decode_id} — ${t.route.reason}` +
       (t.route.fallback ? ` (fallback: ${t.route.fallback})` : "") +
       (Object.keys(t.route.inputs).length ? ` [${Object.entries(t.route.inputs).map(([k, v]) => `${k} ${num(v, 3)}`).join(", ")}]` : "")) : null,
-    t.transfer ? h("p", { class: "transfer" }, `KV transfer: ${bytes(t.transfer.nbytes)} in ${ms(t.transfer.seconds * 1000)} ` +
-      `(${num(t.transfer.gbps, 3)} GB/s) over ${t.transfer.backend}; ${num(t.transfer.num_blocks)} blocks sent, ` +
+    t.transfer ? h("p", { class: "transfer" }, `KV transfer: ${bytes(t.transfer.nbytes)} ` + (t.transfer.wire_seconds == null
+      ? `in ${ms(t.transfer.seconds * 1000)} (${num(t.transfer.gbps, 3)} GB/s)`
+      : `in ${ms(t.transfer.wire_seconds * 1000)} on the wire (${num(t.transfer.wire_gbps, 3)} GB/s) of ` +
+        `${ms(t.transfer.seconds * 1000)} open (streamed during the prefill)`) +
+      ` over ${t.transfer.backend}; ${num(t.transfer.num_blocks)} blocks sent, ` +
       `${num(t.transfer.blocks_skipped)} skipped (decode prefix cache)`) : null,
     t.error ? h("p", { class: "error" }, `Error: ${t.error}`) : null);
 }
