@@ -33,26 +33,18 @@ def linear_params(spec: ModelSpec) -> tuple[int, int]:
 
 
 def weights_bytes(spec: ModelSpec, dtype: str, quantization: str = "none") -> int:
-    """Bytes of the weights as a worker holds them. Embeddings and norms are dense in `dtype`;
-    with int4 / int8 the decoder linears take half a byte (plus a bfloat16 scale and zero per
-    32 weights) / one byte (plus a bfloat16 scale per row) a weight. With int4 the lm_head is
-    int4 as well (engine.loader.quant_choice.lm_head_quantization): a tied one is an int4 copy
-    beside the dense embedding."""
+    """Bytes of the weights as a worker holds them. Embeddings, norms and lm_head are dense in
+    `dtype`; with int4 / int8 the decoder linears take half a byte (plus a bfloat16 scale and
+    zero per 32 weights) / one byte (plus a bfloat16 scale per row) a weight."""
     if quantization in ("none", "auto"):
         return spec.num_params * KV_DTYPE_BYTES[dtype]
     linear, rows = linear_params(spec)
-    dense = spec.num_params - linear
+    dense = (spec.num_params - linear) * KV_DTYPE_BYTES[dtype]
     if quantization == "int4":
-        head = spec.vocab_size * spec.hidden_size
-        dense -= 0 if spec.tie_word_embeddings else head
-        return dense * KV_DTYPE_BYTES[dtype] + _int4_bytes(linear) + _int4_bytes(head)
+        return dense + linear // 2 + (linear // INT4_GROUP_SIZE) * 2 * _SCALE_BYTES
     if quantization == "int8":
-        return dense * KV_DTYPE_BYTES[dtype] + linear + rows * _SCALE_BYTES
+        return dense + linear + rows * _SCALE_BYTES
     raise ValueError(f"quantization must be none, int8 or int4 here, got {quantization!r}")
-
-
-def _int4_bytes(weights: int) -> int:
-    return weights // 2 + (weights // INT4_GROUP_SIZE) * 2 * _SCALE_BYTES
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:

@@ -67,6 +67,9 @@ class EngineConfig:
     """Token budget of one engine step; prompts longer than what is left are chunked."""
     num_threads: int | None = None
     """torch intra-op threads for this process; None: all cores of the host."""
+    decode_threads: int | None = None
+    """torch intra-op threads for a step of at most 4 tokens (decode at batch 1-4); None: 1.
+    Prefill and larger batches use num_threads (engine.device.StepThreads says why)."""
     seed: int = 0
     """Seed of the default generator (requests without their own seed)."""
     cpu_packed_weights: bool = True
@@ -94,7 +97,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("kv_cache_memory", "num_gpu_blocks_override", "num_threads"):
+        for name in ("kv_cache_memory", "num_gpu_blocks_override", "num_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

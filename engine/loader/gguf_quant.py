@@ -12,10 +12,9 @@ Where each GGUF format lands (ggml's block layouts, 32 weights a block):
 compute dtype, so with bfloat16 activations d and m + 8d are rounded to bfloat16 (8 mantissa
 bits against f16's 11). In a Q4 nibble byte, qs[j] & 15 is weight j and qs[j] >> 4 weight j + 16.
 
-Token embeddings stay dense (dequantized): the embedding is a gather. With int4 linears the
-lm_head is int4 too (quant_choice.lm_head_quantization says why): from output.weight, or from
-token_embd.weight when tied; a Q4 tensor keeps its blocks, others (SmolLM2's Q8_0) are quantized
-per group of 32 like an HF folder's linears.
+Token embeddings stay dense (dequantized): the embedding is a gather. With int4 linears a Q4
+head tensor (output.weight, or token_embd.weight when tied) becomes an int4 lm_head with its
+blocks kept; any other head (SmolLM2's Q8_0) stays dense (quant_choice.lm_head_quantization).
 """
 
 from __future__ import annotations
@@ -46,15 +45,15 @@ def read_gguf_quantized(
     dense: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     head_source = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    int4_head = lm_head_quantization(bytes_method(method, path)) == "int4"
+    scheme = bytes_method(method, path)
     for tensor in gguf.GGUFReader(str(path)).tensors:
         name = hf_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":
                 continue  # read into ModelSpec.rope_scaling by read_gguf_spec
             raise ValueError(f"{path.name}: unexpected tensor {tensor.name!r}")
-        if int4_head and name == head_source:
-            quantized["lm_head.weight"] = _quantized(tensor, "int4")
+        if name == head_source and lm_head_quantization(scheme, tensor.tensor_type.name) == "int4":
+            quantized["lm_head.weight"] = q4_blocks_to_int4(np.asarray(tensor.data), tensor.tensor_type.name)
             if name == "lm_head.weight":
                 continue
         if not is_linear(name):

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.loader import weights_cache
 from engine.loader.locate import resolve_model_path
-from engine.loader.quant_choice import is_linear, lm_head_quantization, resolve_quantization
+from engine.loader.quant_choice import is_linear, resolve_quantization
 from engine.loader.spec_reader import read_spec
 from engine.model import MODEL_FAMILIES
 from engine.model.quantized_linear import (
@@ -106,11 +106,7 @@ def _read_weights(
             return weights, {}, False
         quantize = quantize_int4 if method == "int4" else quantize_int8
         linears = [name for name in weights if is_linear(name)]
-        quantized = {name: quantize(weights.pop(name)) for name in linears}
-        if lm_head_quantization(method) == "int4":
-            head = weights.get("model.embed_tokens.weight") if spec.tie_word_embeddings else None
-            quantized["lm_head.weight"] = quantize_int4(head if head is not None else weights.pop("lm_head.weight"))
-        return weights, quantized, False
+        return weights, {name: quantize(weights.pop(name)) for name in linears}, False
     if method == "none":
         weights, from_cache = _gguf_weights(path, spec, cache_dir)
         return weights, {}, from_cache

@@ -45,10 +45,9 @@ def test_weights_bytes_count_int4_and_int8_linears_with_their_scales():
     spec = smollm2_like()  # 106,168,320 linear weights in 155,520 rows; 28,346,688 dense parameters
     assert weights_bytes(spec, "bfloat16", "none") == 269_030_016
     # dense 28,346,688 x 2 + linears / 2 + (linears / 32) x (scale + zero) x 2 B
-    # int4: dense embedding (tied) + int4 linears with their scales + the int4 lm_head copy
-    assert weights_bytes(spec, "bfloat16", "int4") == 56_693_376 + 53_084_160 + 13_271_040 + 17_694_720 == 140_743_296
+    assert weights_bytes(spec, "bfloat16", "int4") == 56_693_376 + 53_084_160 + 13_271_040 == 123_048_576
     assert weights_bytes(spec, "bfloat16", "int8") == 56_693_376 + 106_168_320 + 311_040 == 163_172_736
-    assert weights_bytes(spec, "float32", "int4") == 113_386_752 + 53_084_160 + 13_271_040 + 17_694_720
+    assert weights_bytes(spec, "float32", "int4") == 113_386_752 + 53_084_160 + 13_271_040
 
 
 def test_a_70b_model_fits_4x80gb_at_8192_with_tensor_parallel_4(tmp_path, capsys):
@@ -76,16 +75,15 @@ def test_an_8b_model_in_7gb_needs_int4_and_cpu_offload(tmp_path, capsys):
     folder = model_dir(tmp_path, LLAMA_8B)
     flags = ["--model", folder, *GPU_BF16, "--device-memory", "7GiB"]
     assert "the weights alone do not fit one device: 15.0 GiB of dense weights" in plan_error(capsys, *flags)
-    # int4 weights (5.3 GiB) fit 0.9 x 7 GiB, but leave 7,792 tokens of KV: less than one request
-    assert "KV cache too small: 487 blocks x 16 = 7,792 tokens" in plan_error(capsys, *flags, "--quantization", "int4")
+    # int4 weights (6.0 GiB) fit 0.9 x 7 GiB, but leave 2,288 tokens of KV: less than one request
+    assert "KV cache too small: 143 blocks x 16 = 2,288 tokens" in plan_error(capsys, *flags, "--quantization", "int4")
     out = plan_json(capsys, *flags, "--quantization", "int4", "--cpu-offload-gb", "2")
     w = out["weights"]
-    # int4: 525,602,816 dense params (embeddings, norms) x 2 B
-    #       + (6,979,321,856 linears + 525,336,576 lm_head) x 0.625 B
+    # int4: 1,050,939,392 dense params (embeddings, lm_head, norms) x 2 B + 6,979,321,856 linears x 0.625 B
     assert (w["total_bytes"], w["cpu_offload_bytes"], w["per_device_bytes"]) == (
-        5_741_617_152, 2 * GiB, 3_594_133_504)
-    assert out["budget"]["num_bytes"] == int(0.9 * 7 * GiB) - 3_594_133_504
-    assert (out["capacity"]["num_blocks"], out["capacity"]["max_concurrency"]) == (1_511, 2.951171875)
+        6_463_954_944, 2 * GiB, 4_316_471_296)
+    assert out["budget"]["num_bytes"] == int(0.9 * 7 * GiB) - 4_316_471_296
+    assert (out["capacity"]["num_blocks"], out["capacity"]["max_concurrency"]) == (1_167, 2.279296875)
 
 
 def test_tensor_parallel_must_split_the_heads(tmp_path, capsys):
@@ -97,7 +95,7 @@ def test_tensor_parallel_must_split_the_heads(tmp_path, capsys):
 def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_dense(capsys):
     cpu = ["--device", "cpu", "--device-memory", "8GiB", "--max-model-len", "2048"]
     kept = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf")
-    assert (kept["weights"]["quantization"], kept["weights_bytes"]) == ("int4", 140_743_296)
+    assert (kept["weights"]["quantization"], kept["weights_bytes"]) == ("int4", 123_048_576)
     bf16 = plan_json(capsys, *cpu, "--dtype", "bfloat16")
     assert (bf16["weights"]["quantization"], bf16["weights_bytes"]) == ("none", 269_030_016)
     f32 = plan_json(capsys, *cpu, "--dtype", "float32")

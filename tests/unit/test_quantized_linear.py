@@ -90,7 +90,7 @@ def test_gguf_q4_blocks_become_int4_codes_that_dequantize_to_the_gguf_values(tmp
         n for n in dense if "layernorm" in n])
     for name, tensor in rest.items():
         assert torch.equal(tensor, torch.from_numpy(dense[name])), name
-    # with int4 linears the (untied) lm_head is int4 too, its blocks kept like theirs
+    # with int4 linears a Q4 (untied) lm_head is int4 too, its blocks kept like theirs
     assert sorted(quantized) == sorted(n for n in dense if n == "lm_head.weight" or "_proj" in n)
     for name, weight in quantized.items():
         assert isinstance(weight, Int4Weight) and weight.codes.dtype == torch.uint8, name
@@ -141,11 +141,18 @@ def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method,
     # q|k|v and gate|up fused: 4 linears a layer
     assert sorted(linears) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     assert all(isinstance(m, module_type) for m in linears.values())
-    assert isinstance(model.model.embed_tokens, nn.Embedding)  # embeddings stay dense
-    # lm_head: int4 beside int4 linears, dense beside int8 (quant_choice.lm_head_quantization)
-    assert isinstance(model.lm_head, Int4Linear) == (method == "int4")
+    assert isinstance(model.model.embed_tokens, nn.Embedding)  # embeddings and an HF lm_head stay dense
+    assert not isinstance(model.lm_head, (Int4Linear, Int8Linear))
     [out] = llm.generate([[1, 2, 3, 4]], _greedy(6))
     assert len(out.token_ids) == 6
+
+
+def test_the_lm_head_is_int4_only_beside_int4_linears_and_from_a_q4_head():
+    from engine.loader.quant_choice import lm_head_quantization
+
+    assert [lm_head_quantization("int4", t) for t in ("Q4_0", "Q4_1", "Q8_0", "F16", None)] == [
+        "int4", "int4", "none", "none", "none"]
+    assert lm_head_quantization("int8", "Q4_0") == "none"
 
 
 def test_quantization_is_a_checked_engine_setting_that_specs_pass_on():
