@@ -80,7 +80,9 @@ class EngineConfig:
     auto and none: dense in `dtype` (a GGUF is dequantized; measured faster than torch's int4 CPU
     kernel when served, engine/loader/quant_choice.py). gguf: keep a GGUF's Q4_0/Q4_1 (int4) and
     Q8_0 (int8) blocks as they are. int4 / int8: quantize every linear at load. Quantized
-    linears compute in bfloat16. Embeddings and lm_head stay dense."""
+    linears compute in bfloat16 (q|k|v and gate|up fused, one linear each). Embeddings stay
+    dense; the lm_head is int4 only beside int4 linears from a Q4 GGUF head, else dense
+    (engine/loader/quant_choice.lm_head_quantization says why)."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
 
