@@ -67,6 +67,9 @@ class EngineConfig:
     """Token budget of one engine step; prompts longer than what is left are chunked."""
     num_threads: int | None = None
     """torch intra-op threads for this process; None: all cores of the host."""
+    decode_threads: int | None = None
+    """torch intra-op threads for a step of at most 4 tokens (decode at batch 1-4); None: 1.
+    Prefill and larger batches use num_threads (engine.device.StepThreads says why)."""
     seed: int = 0
     """Seed of the default generator (requests without their own seed)."""
     cpu_packed_weights: bool = True
@@ -77,7 +80,9 @@ class EngineConfig:
     auto and none: dense in `dtype` (a GGUF is dequantized; measured faster than torch's int4 CPU
     kernel when served, engine/loader/quant_choice.py). gguf: keep a GGUF's Q4_0/Q4_1 (int4) and
     Q8_0 (int8) blocks as they are. int4 / int8: quantize every linear at load. Quantized
-    linears compute in bfloat16. Embeddings and lm_head stay dense."""
+    linears compute in bfloat16 (q|k|v and gate|up fused, one linear each). Embeddings stay
+    dense; the lm_head is int4 only beside int4 linears from a Q4 GGUF head, else dense
+    (engine/loader/quant_choice.lm_head_quantization says why)."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
 
@@ -94,7 +99,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("kv_cache_memory", "num_gpu_blocks_override", "num_threads"):
+        for name in ("kv_cache_memory", "num_gpu_blocks_override", "num_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -27,7 +27,7 @@ import torch
 from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
 from engine.config import EngineConfig
 from engine.device import (
-    available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
+    StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
 )
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
@@ -131,6 +131,7 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.module, self.spec, kv_caches, config.block_size, self.max_model_len, self.device,
             swap_caches,
+            StepThreads.resolve(self.num_threads, config.decode_threads) if self.device.type == "cpu" else None,
         )
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         self.stalled = False

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from engine.device import StepThreads
 from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.model.rope import rope_tables
 from engine.model.spec import ModelSpec
@@ -81,8 +82,12 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         swap_caches: list[torch.Tensor] | None = None,
+        step_threads: StepThreads | None = None,
     ) -> None:
+        """step_threads: intra-op threads by step size (CPU); None leaves torch's setting alone."""
         self.model = model
+        self.step_threads = step_threads
+        self._threads_now = torch.get_num_threads()
         self.spec = spec
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches or []
@@ -127,6 +132,7 @@ class ModelRunner:
         decodes = [w for w in plan.scheduled if len(w.token_ids) == 1]
         prefills = [w for w in plan.scheduled if len(w.token_ids) > 1]
         ordered = decodes + prefills
+        self._use_threads_for(len(decodes) + sum(len(w.token_ids) for w in prefills))
         input_ids, positions, slot_mapping = self._flatten(ordered)
         meta = self._metadata(decodes, prefills, slot_mapping)
         self._layer_done = self._step_listener(plan) if self._step_listener is not None else None
@@ -155,6 +161,14 @@ class ModelRunner:
             },
             sampled_at=sampled_at,
         )
+
+    def _use_threads_for(self, num_tokens: int) -> None:
+        if self.step_threads is None:
+            return
+        wanted = self.step_threads.for_step(num_tokens)
+        if wanted != self._threads_now:  # only when the kind of step changes (StepThreads)
+            torch.set_num_threads(wanted)
+            self._threads_now = wanted
 
     def _sampling_row(self, work: ScheduledRequest) -> SamplingRow:
         generator = None

@@ -81,7 +81,7 @@ class Sampler:
 
         if len(greedy) == len(rows) and not (wants_logprobs or penalized or held):
             # The common decode step: no float32 copy, no per-row work.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return SamplerOutput(greedy_argmax(logits), [None] * len(rows))
 
         # A copy only when rows are edited in place below; the caller's tensor stays intact.
         work = logits.to(torch.float32, copy=bool(penalized or held))
@@ -101,6 +101,15 @@ class Sampler:
             for i, lp in zip(wants_logprobs, gathered):
                 logprobs[i] = lp
         return SamplerOutput(sampled.tolist(), logprobs)
+
+
+def greedy_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (first index among equal maxima, NaN counting as the largest: torch's
+    and numpy's rule alike). On CPU through numpy in float32: measured at 1 thread on a
+    [1, 49152] row, torch's argmax took 670 us in bfloat16 and 134 us in float32, numpy's 31 us."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).tolist()
+    return logits.to(torch.float32).numpy().argmax(axis=-1).tolist()
 
 
 def _check_shape(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

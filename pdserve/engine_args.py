@@ -62,6 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="most tokens in one engine step (chunked prefill)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--decode-threads", type=int, default=None,
+                   help="torch threads for decode steps of at most 4 tokens (default: 1; prefill uses --num-threads)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     g.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run linears on oneDNN-packed weights (faster; last bits differ from F.linear)")

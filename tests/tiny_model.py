@@ -32,20 +32,39 @@ TINY_CONFIG = {
 }
 
 
+def _random_hf_state(spec) -> dict[str, torch.Tensor]:
+    """HF-named random weights, drawn in the order HF's module tree initialises them (the order
+    the engine's model drew them in before it fused projections), so the tiny model keeps its
+    weights: embeddings, then per layer q, k, v, o, gate, up, down, then lm_head."""
+    from torch import nn
+
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    linears = [("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+               ("self_attn.o_proj", h, q), ("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)]
+    state = {"model.embed_tokens.weight": nn.Embedding(spec.vocab_size, h).weight}
+    for layer in range(spec.num_layers):
+        for name, rows, cols in linears:
+            state[f"model.layers.{layer}.{name}.weight"] = nn.Linear(cols, rows, bias=False).weight
+        state[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(h)
+        state[f"model.layers.{layer}.post_attention_layernorm.weight"] = torch.ones(h)
+    state["model.norm.weight"] = torch.ones(h)
+    state["lm_head.weight"] = nn.Linear(h, spec.vocab_size, bias=False).weight
+    return state
+
+
 def write_tiny_model(folder: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
-    from engine.model.llama import LlamaForCausalLM
     from engine.loader.hf_loader import read_hf_spec
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
     spec = read_hf_spec(folder)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(spec)
     # Larger-than-default projections so the output depends on the context, not just the
     # last token (default init gives a model that repeats its input).
-    state = {k: v.detach().clone() * (1.0 if "norm" in k else 4.0) for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() * (1.0 if "norm" in k else 4.0) for k, v in _random_hf_state(spec).items()}
     save_file(state, str(folder / "model.safetensors"))
     return folder
 

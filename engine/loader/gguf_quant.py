@@ -12,8 +12,9 @@ Where each GGUF format lands (ggml's block layouts, 32 weights a block):
 compute dtype, so with bfloat16 activations d and m + 8d are rounded to bfloat16 (8 mantissa
 bits against f16's 11). In a Q4 nibble byte, qs[j] & 15 is weight j and qs[j] >> 4 weight j + 16.
 
-Token embeddings and a tied lm_head stay dense (dequantized): the embedding is a gather, and
-the lm_head decides the sampled token, so it keeps the precision the GGUF gave it.
+Token embeddings stay dense (dequantized): the embedding is a gather. With int4 linears a Q4
+head tensor (output.weight, or token_embd.weight when tied) becomes an int4 lm_head with its
+blocks kept; any other head (SmolLM2's Q8_0) stays dense (quant_choice.lm_head_quantization).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.loader.gguf_loader import _unpermute, hf_name
-from engine.loader.quant_choice import KEPT_GGUF_TYPES, is_linear
+from engine.loader.quant_choice import KEPT_GGUF_TYPES, bytes_method, is_linear, lm_head_quantization
 from engine.model.quantized_linear import (
     INT4_GROUP_SIZE, Int4Weight, QuantizedWeight, quantize_int4, quantize_int8,
 )
@@ -34,20 +35,27 @@ from engine.model.spec import ModelSpec
 def read_gguf_quantized(
     path: Path, spec: ModelSpec, method: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """(dense, quantized): the decoder linears as quantized weights under their HF names (rows of
-    q/k un-permuted as the dense loader does), every other tensor dequantized to float32. One pass
+    """(dense, quantized): the decoder linears (and with int4 the lm_head) as quantized weights
+    under their HF names (rows of q/k un-permuted as the dense loader does), every other tensor
+    dequantized to float32. One pass
     and no dense copy of the linears, so a worker's memory holds the quantized bytes only.
     `method` as resolve_quantization returns it. Raises on unknown tensors."""
     import gguf
 
     dense: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
+    head_source = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    scheme = bytes_method(method, path)
     for tensor in gguf.GGUFReader(str(path)).tensors:
         name = hf_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":
                 continue  # read into ModelSpec.rope_scaling by read_gguf_spec
             raise ValueError(f"{path.name}: unexpected tensor {tensor.name!r}")
+        if name == head_source and lm_head_quantization(scheme, tensor.tensor_type.name) == "int4":
+            quantized["lm_head.weight"] = q4_blocks_to_int4(np.asarray(tensor.data), tensor.tensor_type.name)
+            if name == "lm_head.weight":
+                continue
         if not is_linear(name):
             dense[name] = _dequantized(tensor)
             continue

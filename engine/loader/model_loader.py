@@ -16,7 +16,7 @@ from engine.loader.quant_choice import is_linear, resolve_quantization
 from engine.loader.spec_reader import read_spec
 from engine.model import MODEL_FAMILIES
 from engine.model.quantized_linear import (
-    QuantizedWeight, install_quantized_linears, kernels_available, quantize_int4, quantize_int8,
+    QuantizedWeight, concat_rows, install_quantized_linears, kernels_available, quantize_int4, quantize_int8,
 )
 from engine.model.spec import ModelSpec
 
@@ -123,7 +123,8 @@ def build_module(
     quantized = quantized or {}
     family = MODEL_FAMILIES.get(spec.architecture)
     module = family(spec, device="meta")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    state = family.fuse_weights({k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, torch.cat)
+    quantized = family.fuse_weights(quantized, concat_rows)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(module.state_dict()) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
@@ -134,7 +135,7 @@ def build_module(
         raise ValueError(f"weights do not fit {spec.name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     module.load_state_dict(state, strict=False, assign=True)
     install_quantized_linears(module, quantized, dtype)
-    if spec.tie_word_embeddings:
+    if spec.tie_word_embeddings and "lm_head.weight" not in quantized:
         module.lm_head.weight = module.model.embed_tokens.weight
     return module.eval().requires_grad_(False)
 

@@ -1,4 +1,5 @@
-"""Model families. Each registers a class taking a ModelSpec; weights load by HF names."""
+"""Model families. Each registers a class taking a ModelSpec; weights load by HF names, passed
+through the class's static `fuse_weights(weights, concat_rows)` first (its fused projections)."""
 
 from engine.model.spec import ModelSpec, RopeScaling
 from engine.registry import Registry

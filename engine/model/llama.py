@@ -1,7 +1,9 @@
 """Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU, optionally tied embeddings.
 
 Parameter names follow HF transformers (`model.layers.N.self_attn.q_proj.weight`, ...),
-so HF safetensors load as they are and GGUF tensors are renamed once in the loader.
+so HF safetensors load as they are and GGUF tensors are renamed once in the loader. Two groups
+of projections run as one linear each (FUSED_PROJECTIONS; fuse_weights concatenates their rows
+at load): a batch-1 decode step is bound by per-call overhead, not by the matmuls.
 """
 
 from __future__ import annotations
@@ -10,8 +12,32 @@ import torch
 from torch import nn
 
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
-from engine.model.rope import apply_rope
+from engine.model.rope import StepRope
 from engine.model.spec import ModelSpec
+
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+"""Fused linear -> the HF linears whose weight rows it stacks, in order."""
+
+
+def fuse_weights(weights: dict, concat_rows) -> dict:
+    """`weights` (HF names) with each FUSED_PROJECTIONS group replaced by its fused weight,
+    concat_rows([w, ...]) stacking rows (torch.cat for dense weights, quantized_linear.concat_rows
+    for codes: each row carries its own scales, so rows concatenate). Other names pass through;
+    a group is fused only when all its parts are present."""
+    out = dict(weights)
+    for name in weights:
+        for fused, parts in FUSED_PROJECTIONS.items():
+            suffix = f".{parts[0]}.weight"
+            if not name.endswith(suffix):
+                continue
+            prefix = name.removesuffix(suffix)
+            names = [f"{prefix}.{part}.weight" for part in parts]
+            if all(n in out for n in names):
+                out[f"{prefix}.{fused}.weight"] = concat_rows([out.pop(n) for n in names])
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -21,11 +47,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as HF does.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # HF normalises in float32, rounds to the model dtype, then scales by the weight.
+        # torch.rms_norm in float32 equals that bit for bit (tests/unit/test_llama_layers.py)
+        # in one op instead of six.
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * torch.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -35,23 +62,26 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=False, device=device)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=False, device=device)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=False, device=device)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        # rows: q, then k, then v (FUSED_PROJECTIONS)
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=False, device=device)
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False, device=device)
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,  # [num_tokens, head_dim]
-        sin: torch.Tensor,
+        rope: StepRope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        qk_size = self.q_size + self.kv_size
+        # q and k rotated in one pass: [n, num_heads + num_kv_heads, head_dim]
+        qk = rope.apply(qkv[:, :qk_size].view(n, -1, self.head_dim))
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, qk_size:].view(n, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, meta.slot_mapping, k, v)
         o = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
@@ -60,12 +90,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False, device=device)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False, device=device)
+        self.intermediate_size = spec.intermediate_size
+        # rows: gate, then up (FUSED_PROJECTIONS)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, device=device)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,8 +108,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, rope: StepRope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,6 +123,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward() gives hidden states of every token; compute_logits() the chosen rows' logits."""
+
+    fuse_weights = staticmethod(fuse_weights)
 
     def __init__(self, spec: ModelSpec, device: torch.device | str | None = None) -> None:
         """device="meta" builds the shapes without memory (the loader assigns weights)."""
@@ -110,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = StepRope.gather(cos, sin, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

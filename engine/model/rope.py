@@ -7,6 +7,7 @@ cos/sin tables are computed in float32 exactly as HF transformers does
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -69,13 +70,27 @@ def rope_tables(
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True)
+class StepRope:
+    """One step's rope factors, gathered by position and cast to the model dtype once per step
+    (not once per layer and projection): x * cos + roll(x, half) * signed_sin equals HF's
+    x * cos + rotate_half(x) * sin bit for bit, since -a * b == a * -b exactly."""
+
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    signed_sin: torch.Tensor  # [num_tokens, 1, head_dim]: sin with its first half negated
+
+    @classmethod
+    def gather(cls, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> "StepRope":
+        """cos/sin: [num_tokens, head_dim] float32 rows of rope_tables."""
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cls(cos.to(dtype)[:, None, :], signed.to(dtype)[:, None, :])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, num_heads, head_dim] (q and k may go through together)."""
+        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.signed_sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, head_dim] (already gathered)."""
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+    return StepRope.gather(cos, sin, x.dtype).apply(x)

@@ -86,11 +86,12 @@ def test_gguf_q4_blocks_become_int4_codes_that_dequantize_to_the_gguf_values(tmp
     spec = read_gguf_spec(path)
     dense = read_gguf_weights(path, spec)  # the gguf package's dequantizer, Q/K rows un-permuted
     rest, quantized = read_gguf_quantized(path, spec, "gguf")
-    assert sorted(rest) == sorted(["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"] + [
+    assert sorted(rest) == sorted(["model.embed_tokens.weight", "model.norm.weight"] + [
         n for n in dense if "layernorm" in n])
     for name, tensor in rest.items():
         assert torch.equal(tensor, torch.from_numpy(dense[name])), name
-    assert sorted(quantized) == sorted(n for n in dense if n.startswith("model.layers.") and "_proj" in n)
+    # with int4 linears a Q4 (untied) lm_head is int4 too, its blocks kept like theirs
+    assert sorted(quantized) == sorted(n for n in dense if n == "lm_head.weight" or "_proj" in n)
     for name, weight in quantized.items():
         assert isinstance(weight, Int4Weight) and weight.codes.dtype == torch.uint8, name
         # d * q + m as (q - 8) * d + (m + 8d): equal up to float32 rounding of the two forms
@@ -134,13 +135,24 @@ def test_gguf_keeps_a_q4_gguf_quantized_on_cpu_and_auto_is_dense(tmp_path: Path)
 def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method, module_type):
     llm = tiny_llm(write_tiny_model(tmp_path / "tiny"), dtype="bfloat16", quantization=method)
     model = llm.engine.runner.model
-    linears = [m for name, m in model.named_modules() if name.endswith("_proj")]
+    linears = {name.rpartition(".")[2]: m for name, m in model.model.layers[1].named_modules()
+               if name.endswith("_proj")}
     assert llm.engine.core.quantization == method
-    assert len(linears) == 2 * 7 and all(isinstance(m, module_type) for m in linears)
-    assert isinstance(model.model.embed_tokens, nn.Embedding)  # embeddings and lm_head stay dense
+    # q|k|v and gate|up fused: 4 linears a layer
+    assert sorted(linears) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert all(isinstance(m, module_type) for m in linears.values())
+    assert isinstance(model.model.embed_tokens, nn.Embedding)  # embeddings and an HF lm_head stay dense
     assert not isinstance(model.lm_head, (Int4Linear, Int8Linear))
     [out] = llm.generate([[1, 2, 3, 4]], _greedy(6))
     assert len(out.token_ids) == 6
+
+
+def test_the_lm_head_is_int4_only_beside_int4_linears_and_from_a_q4_head():
+    from engine.loader.quant_choice import lm_head_quantization
+
+    assert [lm_head_quantization("int4", t) for t in ("Q4_0", "Q4_1", "Q8_0", "F16", None)] == [
+        "int4", "int4", "none", "none", "none"]
+    assert lm_head_quantization("int8", "Q4_0") == "none"
 
 
 def test_quantization_is_a_checked_engine_setting_that_specs_pass_on():

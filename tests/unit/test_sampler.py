@@ -51,6 +51,11 @@ def test_greedy_ties_pick_the_first_maximum():
     assert Sampler()(logits, [row()]).token_ids == [1]
 
 
+def test_greedy_fast_path_takes_bfloat16_rows_and_nan_as_torch_argmax_does():
+    logits = logits_of([0.0, 3.0, 3.0, 1.0], [0.0, float("nan"), 9.0, float("nan")], [1.0, 0.0, 0.0, 0.0]).bfloat16()
+    assert Sampler()(logits, [row(), row(), row()]).token_ids == logits.argmax(-1).tolist() == [1, 1, 0]
+
+
 def test_greedy_accepts_bfloat16_logits():
     logits = logits_of([0.0, 1.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).bfloat16()
     assert Sampler()(logits, [row(SamplingParams.greedy(logprobs=1))]).token_ids == [2]
