@@ -109,8 +109,8 @@ class PrefillRecord:
     """One Prefill call the worker holds, from acceptance until a terminal state.
 
     Threads: CONNECTING records are moved only on the asyncio loop; from QUEUED on, only on
-    the engine loop thread. `future` is settled (from either) through prefill_worker.worker's
-    `_settle`, so a departed client's cancelled future never breaks the settling thread.
+    the engine loop thread. `future` is settled (from either) through `settle` below, so a
+    departed client's cancelled future never breaks the settling thread.
     """
 
     request_id: str
