@@ -108,14 +108,19 @@ async def next_event(stream, pending: asyncio.Task | None, timeout_s: float, wha
         raise WorkerSilent(f"{what} sent nothing for {timeout_s:g} s") from None
 
 
+def _with_tokens(delta: TokenDelta, part: slice, **changes) -> TokenDelta:
+    """`delta` keeping only `part` of its per-token fields (ids, logprobs, sample times)."""
+    return dataclasses.replace(delta, token_ids=delta.token_ids[part], logprobs=delta.logprobs[part],
+                               sampled_at=delta.sampled_at[part], **changes)
+
+
 def skip_delivered(delta: TokenDelta, skip: int) -> tuple[TokenDelta | None, int]:
     """Drops the first `skip` tokens of `delta` (the client has them already); returns what is
     left (None when nothing is, unless it finishes the request) and the tokens still to skip."""
     if skip == 0:
         return delta, 0
     n = min(skip, len(delta.token_ids))
-    rest = dataclasses.replace(delta, token_ids=delta.token_ids[n:], logprobs=delta.logprobs[n:],
-                               sampled_at=delta.sampled_at[n:])
+    rest = _with_tokens(delta, slice(n, None))
     if not rest.token_ids and rest.finish_reason is None:
         return None, skip - n
     return rest, skip - n
@@ -130,11 +135,8 @@ def split_final(delta: TokenDelta, late_prefill: asyncio.Task | None) -> tuple[T
     n = len(delta.token_ids) - (1 if delta.stop_token_id is not None else 0)
     if n <= 0:
         return None, delta
-    head = dataclasses.replace(delta, token_ids=delta.token_ids[:n], logprobs=delta.logprobs[:n],
-                               sampled_at=delta.sampled_at[:n], finish_reason=None, stop_token_id=None)
-    rest = dataclasses.replace(delta, token_ids=delta.token_ids[n:], logprobs=delta.logprobs[n:],
-                               sampled_at=delta.sampled_at[n:], route=None, trace=None)
-    return head, rest
+    head = _with_tokens(delta, slice(None, n), finish_reason=None, stop_token_id=None)
+    return head, _with_tokens(delta, slice(n, None), route=None, trace=None)
 
 
 async def settle_prefill(task: asyncio.Task, finished: bool, wait_s: float) -> None:

@@ -71,10 +71,17 @@ def trace_prefill(trace: BackendTrace, worker_id: str, attempt: int, rpc_s: floa
                              worker_compute_ms=reply.timing.compute_s * 1000)
     t = reply.transfer
     trace.transfer = TransferSummary(t.bytes, t.seconds, t.num_blocks, blocks_skipped, t.backend,
-                                     t.wire_seconds if t.HasField("wire_seconds") else None)
+                                     reported_wire_seconds(t))
+
+
+def reported_wire_seconds(transfer: worker_pb2.TransferStats) -> float | None:
+    """The seconds a transfer's bytes were on the wire, as its worker reported them (None: an
+    older worker that does not)."""
+    return transfer.wire_seconds if transfer.HasField("wire_seconds") else None
 
 
 def wire_seconds(transfer: worker_pb2.TransferStats) -> float:
-    """The seconds a transfer's bytes were on the wire (what link GB/s divide by); a worker that
-    does not report it: its whole doorbell-to-ack seconds."""
-    return transfer.wire_seconds if transfer.HasField("wire_seconds") else transfer.seconds
+    """What link GB/s divide by: the reported wire seconds, else the whole doorbell-to-ack
+    seconds."""
+    reported = reported_wire_seconds(transfer)
+    return transfer.seconds if reported is None else reported
