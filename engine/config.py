@@ -7,7 +7,7 @@ after it is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -25,6 +25,8 @@ GiB = 1 << 30
 # never a fraction of all memory, unless --gpu-memory-utilization is given explicitly.
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+PREFILL_LONG_PREFILL_TOKENS = 256
+"""A prefill worker's long_prefill_token_threshold unless one is set (EngineConfig.for_prefill_worker)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,14 @@ class EngineConfig:
     """Most requests in the running batch."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step; prompts longer than what is left are chunked."""
+    long_prefill_token_threshold: int | None = None
+    """A prompt longer than this is long (vLLM's flag): each step computes at most this many of
+    its tokens, and short prompts may be admitted ahead of it (max_long_partial_prefills).
+    0: off (FIFO, chunks fill the step budget). None: the role's default, 0 except on a
+    prefill worker, which takes PREFILL_LONG_PREFILL_TOKENS (for_prefill_worker says why)."""
+    max_long_partial_prefills: int = 1
+    """Most long prompts computed at once (vLLM's flag); while that many are, the next short
+    waiting prompt goes ahead of a long one at the head of the queue."""
     num_threads: int | None = None
     """torch intra-op threads for this process; None: all cores of the host."""
     decode_threads: int | None = None
@@ -107,10 +117,27 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_long_partial_prefills <= 0:
+            raise ValueError(f"max_long_partial_prefills must be positive, got {self.max_long_partial_prefills}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+
+    def for_prefill_worker(self) -> "EngineConfig":
+        """This config with the prefill worker's default long-prompt threshold filled in.
+
+        Why a prefill worker caps long prompts by default: it only prefills, one step after
+        another, and a step of a whole 2k-token prompt holds every short prompt queued behind
+        it for seconds; those then reach the decode worker all at once, and its batch (and
+        every stream's inter-token gap) jumps. Chunks of PREFILL_LONG_PREFILL_TOKENS with short
+        prompts admitted ahead keep short prompts' time to first token near their own prefill
+        and let them arrive at decode as they came (benchmarks/disagg_vs_colocated.py)."""
+        if self.long_prefill_token_threshold is not None:
+            return self
+        return replace(self, long_prefill_token_threshold=PREFILL_LONG_PREFILL_TOKENS)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

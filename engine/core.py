@@ -140,7 +140,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             hold_finished_blocks=hold_finished_blocks, swap=SwapPool(num_swap_blocks),
+            long_prefill_token_threshold=config.long_prefill_token_threshold or 0,
+            max_long_partial_prefills=config.max_long_partial_prefills,
         )
+        if config.long_prefill_token_threshold:
+            logger.info("long prompts (over %d tokens): chunks of %d tokens, at most %d at once; shorter prompts "
+                        "may go ahead of them", config.long_prefill_token_threshold,
+                        config.long_prefill_token_threshold, config.max_long_partial_prefills)
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.spec, self.config.max_model_len)

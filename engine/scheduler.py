@@ -3,7 +3,11 @@
 One step: `plan = schedule()` -> runner executes it -> `update(plan, result)`.
 Running requests go first (decodes and unfinished prompt chunks), then waiting ones in
 arrival order while the token budget, `max_num_seqs` and free blocks allow. A prompt
-longer than the remaining budget is chunked. When blocks run out, the most recently
+longer than the remaining budget is chunked. With `long_prefill_token_threshold` set (vLLM's
+flag), a prompt longer than it is "long": each step computes at most that many of its tokens,
+and while `max_long_partial_prefills` long prompts are being computed, the next waiting short
+prompt is admitted ahead of a long one at the head of the queue, so a burst of long prompts
+does not hold every short one behind it (shorts keep their order, longs keep theirs). When blocks run out, the most recently
 admitted running request is preempted: its blocks are freed and it is recomputed later,
 or, when the swap pool has room for them, its blocks are first copied out to host memory
 (`SchedulerOutput.swap_out`) and copied back into new blocks (`swap_in`) before any
@@ -48,6 +52,8 @@ class Scheduler:
         max_model_len: int,
         hold_finished_blocks: bool = False,
         swap: SwapPool | None = None,
+        long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 1,
     ) -> None:
         if kv.num_blocks < kv.num_blocks_for(max_model_len):
             # Otherwise a long request could wait forever or keep preempting itself.
@@ -73,6 +79,10 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         """Swapped-out requests, the next to resume first; they resume before any waiting
         request is admitted."""
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        """Prompts longer than this are long: chunks of at most this many tokens; 0: off."""
+        self.max_long_partial_prefills = max_long_partial_prefills
+        """Most long prompts computed at once; past it, short waiting prompts go first."""
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -197,14 +207,17 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
 
         index = 0
+        long_running = 0  # long prompts with tokens still to compute after this step
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, preempted, swap_out):
                 break  # the request itself was preempted; everything after it already was
             scheduled.append(self._describe(request, num_new))
             budget -= num_new
+            long_running += self._is_long(request) and request.num_computed_tokens + num_new < request.num_tokens
             index += 1
+        long_running += sum(self._is_long_prefill(r) for r in self.running[index:])  # not reached: no budget
 
         # Nothing resumes or is admitted in a step that had to preempt: blocks are short.
         # (This also keeps swap-outs and swap-ins out of the same plan.)
@@ -212,12 +225,16 @@ class Scheduler:
             budget = self._swap_in(budget, scheduled, swap_in)
         while not preempted and not self.swapped and self.waiting and budget > 0 \
                 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            position = self._next_admission(long_running)
+            if position is None:
+                break  # only long prompts wait, and as many as allowed are being computed
+            request = self.waiting[position]
             hit = self.kv.find_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            num_new = self._chunk(request, request.num_tokens - hit.num_tokens, budget)
             if self.kv.allocate(request, num_new, hit) is None:
                 break  # FIFO: later requests do not overtake the head of the queue
-            self.waiting.popleft()
+            del self.waiting[position]
+            long_running += self._is_long(request) and num_new < request.num_tokens - hit.num_tokens
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += hit.num_tokens
             if request.num_preemptions == 0:
@@ -237,6 +254,27 @@ class Scheduler:
             swap_out=tuple(swap_out),
             swap_in=tuple(swap_in),
         )
+
+    def _is_long(self, request: Request) -> bool:
+        return 0 < self.long_prefill_token_threshold < request.num_tokens
+
+    def _is_long_prefill(self, request: Request) -> bool:
+        """A long prompt with more than one token left to compute (a chunk is still due)."""
+        return self._is_long(request) and request.num_tokens - request.num_computed_tokens > 1
+
+    def _chunk(self, request: Request, remaining: int, budget: int) -> int:
+        """Tokens of `request` to compute this step: what is left, within the budget and, for a
+        long prompt, within long_prefill_token_threshold."""
+        if self._is_long(request) and remaining > 1:
+            return min(remaining, budget, self.long_prefill_token_threshold)
+        return min(remaining, budget)
+
+    def _next_admission(self, long_running: int) -> int | None:
+        """Index in `waiting` of the next request to admit: the head, unless it is long and
+        max_long_partial_prefills long prompts are being computed; then the first short one."""
+        if not self._is_long(self.waiting[0]) or long_running < self.max_long_partial_prefills:
+            return 0
+        return next((i for i, r in enumerate(self.waiting) if not self._is_long(r)), None)
 
     def _swap_in(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
         """Resume swapped-out requests, head first, while blocks, budget and max_num_seqs

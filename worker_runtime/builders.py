@@ -61,7 +61,7 @@ def build_decode(spec: WorkerSpec, secret: bytes) -> DecodeWorker:
 
 def build_prefill(spec: WorkerSpec, secret: bytes) -> PrefillWorker:
     transfer = transfer_config(spec, secret)
-    core = EngineCore(spec.engine, hold_finished_blocks=True)
+    core = EngineCore(spec.engine.for_prefill_worker(), hold_finished_blocks=True)
     worker: PrefillWorker | None = None
 
     async def opener(address: str) -> ChannelAddress:

@@ -60,3 +60,14 @@ def test_cpu_example_workers_get_a_small_kv_budget_and_their_own_threads(helm):
         e = WorkerSpec.from_args(_parse(container(objects, role)["args"])).engine
         assert (e.device, e.dtype, e.max_model_len, e.num_threads) == ("cpu", "float32", 1024, 2)
         assert container(objects, role)["args"][container(objects, role)["args"].index("--kv-cache-memory") + 1] == "256MiB"
+
+
+def test_engine_scheduling_quantization_and_thread_keys_reach_the_worker_spec(helm):
+    objects = render(helm, sets=("engine.quantization=gguf", "engine.decodeThreads=2",
+                                 "prefill.engine.longPrefillTokenThreshold=512",
+                                 "engine.maxLongPartialPrefills=2"))
+    prefill = WorkerSpec.from_args(_parse(container(objects, "prefill")["args"])).engine
+    decode = WorkerSpec.from_args(_parse(container(objects, "decode")["args"])).engine
+    assert (prefill.quantization, prefill.decode_threads, prefill.long_prefill_token_threshold,
+            prefill.max_long_partial_prefills) == ("gguf", 2, 512, 2)
+    assert (decode.long_prefill_token_threshold, decode.max_long_partial_prefills) == (None, 2)  # role default

@@ -76,11 +76,13 @@ def _run_one(pair):
     return tokens, landed[0]
 
 
-@pytest.mark.parametrize("chunk", [512, 32])  # the whole prompt in one step, or in 3 chunks
-def test_layer_streamed_kv_equals_the_one_shot_kv_exactly(tiny_model_dir, offline, calls, chunk):
+@pytest.mark.parametrize("engine", [  # the whole prompt in one step; in 3 chunks by budget or as a long prompt
+    {"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 32}, {"long_prefill_token_threshold": 24}],
+    ids=["one-step", "budget-chunks", "long-prompt-chunks"])
+def test_layer_streamed_kv_equals_the_one_shot_kv_exactly(tiny_model_dir, offline, calls, engine):
     results = {}
     for streamed in (True, False):
-        pair = make_pair(tiny_model_dir, stream_layers=streamed, max_num_batched_tokens=chunk)
+        pair = make_pair(tiny_model_dir, stream_layers=streamed, **engine)
         try:
             results[streamed] = _run_one(pair)
             _idle(pair)

@@ -47,6 +47,8 @@ def test_config_is_frozen():
         ("swap_space", -0.5),
         ("swap_space", float("nan")),
         ("swap_space", float("inf")),
+        ("long_prefill_token_threshold", -1),
+        ("max_long_partial_prefills", 0),
     ],
 )
 def test_invalid_value_raises_value_error_naming_the_field(field, value):
@@ -109,3 +111,12 @@ def test_from_kwargs_still_validates_values():
 def test_field_names_are_the_dataclass_fields():
     assert EngineConfig.field_names() == {f.name for f in dataclasses.fields(EngineConfig)}
     assert "num_gpu_blocks_override" in EngineConfig.field_names()
+
+
+def test_a_prefill_worker_caps_long_prompts_by_default_and_an_explicit_setting_wins():
+    from engine.config import PREFILL_LONG_PREFILL_TOKENS
+
+    assert EngineConfig().long_prefill_token_threshold is None  # the role decides
+    assert EngineConfig().for_prefill_worker().long_prefill_token_threshold == PREFILL_LONG_PREFILL_TOKENS == 256
+    assert EngineConfig(long_prefill_token_threshold=0).for_prefill_worker().long_prefill_token_threshold == 0
+    assert EngineConfig(long_prefill_token_threshold=1024).for_prefill_worker().long_prefill_token_threshold == 1024

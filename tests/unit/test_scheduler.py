@@ -37,13 +37,16 @@ def make_scheduler(
     max_model_len: int | None = None,
     enable_caching: bool = True,
     num_swap_blocks: int = 0,
+    long_prefill_token_threshold: int = 0,
+    max_long_partial_prefills: int = 1,
 ) -> Scheduler:
     """max_model_len defaults to 64 tokens, or what the pool holds if that is less."""
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
     if max_model_len is None:
         max_model_len = min(64, num_blocks * BLOCK_SIZE)
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len,
-                     swap=SwapPool(num_swap_blocks))
+                     swap=SwapPool(num_swap_blocks), long_prefill_token_threshold=long_prefill_token_threshold,
+                     max_long_partial_prefills=max_long_partial_prefills)
 
 
 def test_scheduler_refuses_a_pool_that_cannot_hold_one_max_model_len_request():
@@ -234,6 +237,83 @@ def test_decodes_are_scheduled_before_new_prefills_which_get_the_rest_of_the_bud
     assert summary(plan) == [("a", 5, 1), ("b", 7, 3)]
     run_until_done(sched)
     assert_idle(sched)
+
+
+# ------------------------------------------------------- long prompts (vLLM's flags)
+def test_a_long_prompt_is_computed_in_chunks_of_the_threshold_and_short_ones_share_the_step():
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    sched.add_request(make_request("long", range(100, 114), max_tokens=2))  # 14 tokens: long
+    sched.add_request(make_request("short", range(200, 205), max_tokens=2))  # 5 tokens: short
+    plans = []
+    while sched.has_unfinished:
+        plans.append(summary(step(sched)[0]))
+    assert plans == [
+        [("long", 0, 6), ("short", 0, 5)],
+        [("long", 6, 6), ("short", 5, 1)],
+        [("long", 12, 2)],
+        [("long", 14, 1)],  # decodes are never capped
+    ]
+    sched.schedule()
+    assert_idle(sched)
+
+
+def test_short_prompts_go_ahead_of_a_second_long_one_while_one_long_prompt_is_computed():
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=8, max_model_len=64, long_prefill_token_threshold=4)
+    sched.add_request(make_request("long1", range(100, 112), max_tokens=1))
+    sched.add_request(make_request("long2", range(200, 212), max_tokens=1))
+    sched.add_request(make_request("short1", range(300, 303), max_tokens=1))
+    sched.add_request(make_request("short2", range(400, 403), max_tokens=1))
+    first = summary(step(sched)[0])
+    # long1 takes 4 tokens; long2 may not start (one long prompt at a time), so the shorts go
+    # ahead of it, in their order, in what is left of the budget.
+    assert first == [("long1", 0, 4), ("short1", 0, 3), ("short2", 0, 1)]
+    assert [r.request_id for r in sched.waiting] == ["long2"]
+    second = summary(step(sched)[0])
+    assert second == [("long1", 4, 4), ("short2", 1, 2)]  # long2 waits: long1 is not done
+    # long1's last chunk: it will be done, so long2 starts in the same step
+    assert summary(step(sched)[0]) == [("long1", 8, 4), ("long2", 0, 4)]
+    assert sorted(run_until_done(sched)) == ["long2"]  # the others ended in the steps above
+    assert_idle(sched)
+
+
+def test_with_two_long_prefills_allowed_the_second_long_prompt_starts_at_once():
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=8, max_model_len=64, long_prefill_token_threshold=4,
+                           max_long_partial_prefills=2)
+    sched.add_request(make_request("long1", range(100, 112), max_tokens=1))
+    sched.add_request(make_request("long2", range(200, 212), max_tokens=1))
+    sched.add_request(make_request("short", range(300, 303), max_tokens=1))
+    assert summary(step(sched)[0]) == [("long1", 0, 4), ("long2", 0, 4)]
+    run_until_done(sched)
+    assert_idle(sched)
+
+
+def test_only_long_prompts_waiting_behind_the_cap_wait_and_then_run_in_order():
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=16, max_model_len=64, long_prefill_token_threshold=4)
+    for i, name in enumerate(("a", "b", "c")):
+        sched.add_request(make_request(name, range(100 * (i + 1), 100 * (i + 1) + 10), max_tokens=1))
+    starts = []
+    while sched.has_unfinished:
+        for work in step(sched)[0].scheduled:
+            if work.start_position == 0:
+                starts.append(work.request_id)
+    assert starts == ["a", "b", "c"]
+    sched.schedule()
+    assert_idle(sched)
+
+
+def test_the_outputs_do_not_depend_on_the_long_prompt_policy():
+    prompts = {f"r{i}": list(range(100 * i, 100 * i + n)) for i, n in enumerate((13, 3, 9, 2, 17, 5), start=1)}
+
+    def run(**policy) -> dict[str, list[int]]:
+        sched = make_scheduler(num_blocks=48, max_num_batched_tokens=12, max_model_len=64, **policy)
+        for rid, prompt in prompts.items():
+            sched.add_request(make_request(rid, prompt, max_tokens=3))
+        outputs = run_until_done(sched)
+        assert_idle(sched)
+        return {rid: tokens_of(outs) for rid, outs in outputs.items()}
+
+    assert run(long_prefill_token_threshold=4) == run() == run(long_prefill_token_threshold=4,
+                                                              max_long_partial_prefills=3)
 
 
 # ---------------------------------------------------------------- preemption
