@@ -54,13 +54,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 
 # glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 
 def tune_allocator() -> None:
     """Keep a worker's per-step temporaries in the C heap between steps, and its big blocks
-    returned at free: no fixed arena cap, blocks over 32 MiB mmapped, free heap kept up to
-    256 MiB before it is trimmed.
+    returned at free: 2 arenas (fewer heaps to fragment, benchmarks/soak.py), blocks over
+    32 MiB mmapped, free heap kept up to 256 MiB before it is trimmed.
 
     Why: the engine steps on its own thread, in one of glibc's per-thread arenas, and every
     step allocates and frees the same few MB of activations and gathered KV. With the 1 MiB
@@ -68,14 +68,15 @@ def tune_allocator() -> None:
     benchmarks/soak.py), and with glibc's defaults alike, those blocks went back to the kernel
     each step and came back as page faults: 41% of the served decode thread's CPU was system
     time, and a batch-16 step took 152-195 ms against 65 ms in process. With these values the
-    system time is gone and the step takes 72 ms (benchmarks/RESULTS.md, 2026-11-24). The price
-    is up to 256 MiB of freed heap a worker may keep.
+    system time is gone and the step takes 72-79 ms (benchmarks/RESULTS.md, 2026-11-24); the
+    arena cap measured the same as none within the runs' spread. The price is up to 256 MiB of
+    freed heap a worker may keep.
     A user's own MALLOC_* environment wins; a libc other than glibc is left alone."""
     if any(name.startswith("MALLOC_") for name in os.environ):
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
-        for param, value in ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20)):
+        for param, value in ((_M_ARENA_MAX, 2), (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20)):
             libc.mallopt(param, value)
     except (OSError, AttributeError):
         logger.debug("not glibc: allocator left as it is")
