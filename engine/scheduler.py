@@ -7,11 +7,11 @@ longer than the remaining budget is chunked. With `long_prefill_token_threshold`
 flag), a prompt longer than it is "long": each step computes at most that many of its tokens,
 and while `max_long_partial_prefills` long prompts are being computed, the next waiting short
 prompt is admitted ahead of a long one at the head of the queue, so a burst of long prompts
-does not hold every short one behind it (shorts keep their order, longs keep theirs). When blocks run out, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later,
-or, when the swap pool has room for them, its blocks are first copied out to host memory
-(`SchedulerOutput.swap_out`) and copied back into new blocks (`swap_in`) before any
-waiting request is admitted. The runner executes a plan's copies before its forward pass,
+does not hold every short one behind it (shorts keep their order, longs keep theirs).
+When blocks run out, the most recently admitted running request is preempted: its blocks
+are freed and it is recomputed later, or, when the swap pool has room for them, its blocks
+are first copied out to host memory (`SchedulerOutput.swap_out`) and copied back into new
+blocks (`swap_in`) before any waiting request is admitted. The runner executes a plan's copies before its forward pass,
 so blocks freed while planning may be reused within the same plan.
 """
 
