@@ -11,8 +11,9 @@ does not hold every short one behind it (shorts keep their order, longs keep the
 When blocks run out, the most recently admitted running request is preempted: its blocks
 are freed and it is recomputed later, or, when the swap pool has room for them, its blocks
 are first copied out to host memory (`SchedulerOutput.swap_out`) and copied back into new
-blocks (`swap_in`) before any waiting request is admitted. The runner executes a plan's copies before its forward pass,
-so blocks freed while planning may be reused within the same plan.
+blocks (`swap_in`) before any waiting request is admitted. The runner executes a plan's
+copies before its forward pass, so blocks freed while planning may be reused within the
+same plan.
 """
 
 from __future__ import annotations
@@ -215,9 +216,9 @@ class Scheduler:
                 break  # the request itself was preempted; everything after it already was
             scheduled.append(self._describe(request, num_new))
             budget -= num_new
-            long_running += self._is_long(request) and request.num_computed_tokens + num_new < request.num_tokens
+            long_running += self._prompt_due(request, num_new)
             index += 1
-        long_running += sum(self._is_long_prefill(r) for r in self.running[index:])  # not reached: no budget
+        long_running += sum(self._prompt_due(r) for r in self.running[index:])  # not reached: no budget
 
         # Nothing resumes or is admitted in a step that had to preempt: blocks are short.
         # (This also keeps swap-outs and swap-ins out of the same plan.)
@@ -234,7 +235,6 @@ class Scheduler:
             if self.kv.allocate(request, num_new, hit) is None:
                 break  # FIFO: later requests do not overtake the head of the queue
             del self.waiting[position]
-            long_running += self._is_long(request) and num_new < request.num_tokens - hit.num_tokens
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += hit.num_tokens
             if request.num_preemptions == 0:
@@ -244,6 +244,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._describe(request, num_new))
             budget -= num_new
+            long_running += self._prompt_due(request, num_new)
 
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(
@@ -258,16 +259,15 @@ class Scheduler:
     def _is_long(self, request: Request) -> bool:
         return 0 < self.long_prefill_token_threshold < request.num_tokens
 
-    def _is_long_prefill(self, request: Request) -> bool:
-        """A long prompt with more than one token left to compute (a chunk is still due)."""
-        return self._is_long(request) and request.num_tokens - request.num_computed_tokens > 1
+    def _prompt_due(self, request: Request, num_new: int = 0) -> bool:
+        """A long prompt with tokens still to compute after `num_new` more (a chunk is due)."""
+        return self._is_long(request) and request.num_computed_tokens + num_new < request.num_prompt_tokens
 
     def _chunk(self, request: Request, remaining: int, budget: int) -> int:
         """Tokens of `request` to compute this step: what is left, within the budget and, for a
-        long prompt, within long_prefill_token_threshold."""
-        if self._is_long(request) and remaining > 1:
-            return min(remaining, budget, self.long_prefill_token_threshold)
-        return min(remaining, budget)
+        long prompt, within long_prefill_token_threshold (a decode's 1 token is within it)."""
+        cap = self.long_prefill_token_threshold if self._is_long(request) else budget
+        return min(remaining, budget, cap)
 
     def _next_admission(self, long_running: int) -> int | None:
         """Index in `waiting` of the next request to admit: the head, unless it is long and
