@@ -108,18 +108,26 @@ def paged_attention(
 def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
     """Torch path for the group's queries `q` ([m, num_heads, head_dim]): gather the group's
     blocks whole, K and V in one index_select (measured 11 us against 71 us for advanced
-    indexing of a 512-token context), then one SDPA call. On CPU it computes in float32: CPU
-    SDPA in bfloat16 measured 2-3x slower than converting, and is less exact."""
+    indexing of a 512-token context), then one SDPA call in the model's dtype.
+
+    The query heads that share a KV head are folded into SDPA's query-length axis
+    ([m, kv_heads, heads_per_kv, head_dim]: one query token per head, so no mask changes),
+    which is exact GQA without SDPA's enable_gqa, whose CPU path copies K and V out to every
+    query head. Measured on this project's 2-core machine, one 2k-token context in
+    bfloat16, per layer: 371 us folded against 2075 us with enable_gqa and 498 us converting
+    to float32 first (the previous way). Scores and the weighted sum accumulate in float32
+    inside the kernel, as in HF's bfloat16 SDPA: 74.2% of the bfloat16 test's greedy tokens
+    match HF bfloat16 (66.9% when converting), 66.4% HF float32 (66.1%)."""
     blocks = kv_cache.view(torch.uint8) if kv_cache.dtype in _FP8 else kv_cache
     m, max_blocks = group.block_tables.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    num_heads = q.shape[1]
     # [2, m, num_kv_heads, max_blocks * block_size, head_dim]
     kv = blocks.index_select(1, group.block_tables.view(-1)).view(2, m, max_blocks * block_size, num_kv_heads, head_dim)
-    kv = _from_cache(kv, kv_cache.dtype, compute).transpose(2, 3)
-    o = F.scaled_dot_product_attention(q.to(compute).unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2).to(q.dtype)
+    kv = _from_cache(kv, kv_cache.dtype, q.dtype).transpose(2, 3)
+    folded = q.reshape(m, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(folded, kv[0], kv[1], attn_mask=group.mask, scale=scale)
+    return o.reshape(m, num_heads, head_dim)
 
 
 def _prefills(q, flat, cache_dtype, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> torch.Tensor:
