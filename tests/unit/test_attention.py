@@ -1,7 +1,7 @@
 """The engine's CPU paged attention (engine.model.attention) against dense float64 attention
 over the same context: decode groups with grouped-query heads (the query heads of each KV
 head are folded into SDPA's query axis), padded groups, a step with several groups, and the
-model's own dtype (float32 tight, bfloat16 within its rounding)."""
+model's own dtype (float32 tight, float16 and bfloat16 within their rounding)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def decode_group(members, contexts, tables):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (6, 1)])
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("grouping", ["one group", "two groups"])
 def test_decode_attention_equals_dense_attention(num_heads, num_kv_heads, dtype, tolerance, grouping):
     contexts = [3, 40, 16, 97, 1]
