@@ -71,3 +71,10 @@ def test_engine_scheduling_quantization_and_thread_keys_reach_the_worker_spec(he
     assert (prefill.quantization, prefill.decode_threads, prefill.long_prefill_token_threshold,
             prefill.max_long_partial_prefills) == ("gguf", 2, 512, 2)
     assert (decode.long_prefill_token_threshold, decode.max_long_partial_prefills) == (None, 2)  # role default
+
+
+def test_router_workers_value_reaches_the_router_spec_only_when_more_than_one(helm):
+    args = container(render(helm), "router")["args"]
+    assert "--router-workers" not in args and RouterSpec.from_args(_parse(args)).router_workers == 1
+    objects = render(helm, sets=("router.workers=3",))
+    assert RouterSpec.from_args(_parse(container(objects, "router")["args"])).router_workers == 3

@@ -16,6 +16,7 @@ BAD_VALUES = {
     "unknown_engine_key_under_a_role": ({"decode": {"engine": {"blockSze": 32}}},
                                         "at '/decode/engine': additional properties 'blockSze' not allowed"),
     "negative_replicas": ({"prefill": {"replicas": -1}}, "at '/prefill/replicas': minimum: got -1, want 0"),
+    "zero_router_workers": ({"router": {"workers": 0}}, "at '/router/workers': minimum: got 0, want 1"),
     "api_key_enabled_without_its_secret": ({"apiKey": {"enabled": True}},
                                            "at '/apiKey/existingSecret': minLength: got 0, want 1"),
     "admin_key_enabled_without_its_secret": ({"adminKey": {"enabled": True, "existingSecret": ""}},
