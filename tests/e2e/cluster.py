@@ -24,6 +24,10 @@ def free_port() -> int:
     metrics server, a Ray process) cannot take it between this pick and its use, as it once
     took a router's port picked from that range."""
     low = _ephemeral_ports_start()
+    if low <= 20000:  # a range that starts this low leaves nothing to pick below it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     for _ in range(500):
         port = random.randrange(20000, low)
         if port_is_free(port):
