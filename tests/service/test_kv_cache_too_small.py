@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.loader.locate import default_model_path
+from pdserve.ports import free_port
 from proto.auth import CLUSTER_SECRET_ENV
 from tests.tiny_model import write_tiny_model
 
@@ -43,12 +43,6 @@ def run_pdserve(*argv: str) -> subprocess.CompletedProcess:
 def tiny_engine_flags(model: Path) -> list[str]:
     return ["--model", str(model), "--tokenizer", str(default_model_path()), "--dtype", "float32",
             "--num-threads", "1", "--max-model-len", "1024"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def message_lines(stderr: str) -> list[str]:

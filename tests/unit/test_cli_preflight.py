@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,12 +31,6 @@ def taken_port() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock.getsockname()[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_up_refuses_a_taken_http_port_at_once_naming_the_flag(taken_port):

@@ -141,7 +141,7 @@ def test_scale_wait_gives_up_after_its_timeout_with_exit_1(stub, monkeypatch, ca
 
 
 def test_an_unreachable_router_is_one_line_and_exit_1(capsys):
-    from pdserve.redis_server import free_port
+    from pdserve.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["scale", "--url", url]) == 1
