@@ -80,6 +80,13 @@ class EngineConfig:
     decode_threads: int | None = None
     """torch intra-op threads for a step of at most 4 tokens (decode at batch 1-4); None: 1.
     Prefill and larger batches use num_threads (engine.device.StepThreads says why)."""
+    engine_nice: int | None = None
+    """Nice steps the engine loop thread (and the torch threads it starts) runs below the rest of
+    its process (Linux; 0-19). On CPU a step holds a core for tens of milliseconds, and the
+    threads that move tokens (the asyncio loop and gRPC threads streaming each token, the KV
+    import thread, the router and clients on the same host) would queue behind it; at a lower
+    priority the step yields the core to them at once. Lowering a priority needs no privilege.
+    None: ENGINE_NICE_CPU on CPU, 0 on a GPU (the step runs there). 0: off."""
     seed: int = 0
     """Seed of the default generator (requests without their own seed)."""
     cpu_packed_weights: bool = True
@@ -113,6 +120,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.engine_nice is not None and not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice must be 0..19 (nice steps below the process), got {self.engine_nice}")
         if not 0 <= self.swap_space < float("inf"):  # also rejects NaN
             raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space}")
         if self.max_num_seqs <= 0:

@@ -27,7 +27,8 @@ import torch
 from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
 from engine.config import EngineConfig
 from engine.device import (
-    StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
+    StepThreads, available_memory_bytes, engine_nice_for, resolve_device, resolve_dtype, resolve_kv_dtype,
+    set_num_threads,
 )
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
@@ -93,6 +94,8 @@ class EngineCore:
         self.config = config
         self.num_threads = set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        self.engine_nice = engine_nice_for(config.engine_nice, self.device)
+        """Nice steps the thread that steps this core takes below its process (ServingLoop)."""
         self.dtype = resolve_dtype(config.dtype, self.device)
         cache_dir = Path(config.weights_cache_dir or default_cache_dir())
         loaded = load_model(config.model, self.dtype, self.device, cache_dir, config.quantization)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.core import EngineCore
+from engine.device import lower_thread_priority
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,10 @@ class ServingLoop:
             self._sinks.pop(output.request_id, None)
 
     def _run(self) -> None:
+        # Before the first step: the torch threads this thread starts inherit its priority.
+        nice = lower_thread_priority(self.core.engine_nice)
+        if nice is not None:
+            logger.debug("engine loop thread at nice %d: threads that stream tokens take the core first", nice)
         while not self._stop.is_set():
             busy = self.core.has_work and not self.core.stalled
             try:

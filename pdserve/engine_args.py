@@ -69,6 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--decode-threads", type=int, default=None,
                    help="torch threads for decode steps of at most 4 tokens (default: 1; prefill uses --num-threads)")
+    g.add_argument("--engine-nice", type=int, default=None,
+                   help="nice steps (0-19) the engine thread runs below the threads that stream tokens "
+                        "(default: 10 on CPU, 0 on GPU)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     g.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run linears on oneDNN-packed weights (faster; last bits differ from F.linear)")

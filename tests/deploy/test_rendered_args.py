@@ -63,7 +63,7 @@ def test_cpu_example_workers_get_a_small_kv_budget_and_their_own_threads(helm):
 
 
 def test_engine_scheduling_quantization_and_thread_keys_reach_the_worker_spec(helm):
-    objects = render(helm, sets=("engine.quantization=gguf", "engine.decodeThreads=2",
+    objects = render(helm, sets=("engine.quantization=gguf", "engine.decodeThreads=2", "engine.engineNice=5",
                                  "prefill.engine.longPrefillTokenThreshold=512",
                                  "engine.maxLongPartialPrefills=2"))
     prefill = WorkerSpec.from_args(_parse(container(objects, "prefill")["args"])).engine
@@ -71,6 +71,7 @@ def test_engine_scheduling_quantization_and_thread_keys_reach_the_worker_spec(he
     assert (prefill.quantization, prefill.decode_threads, prefill.long_prefill_token_threshold,
             prefill.max_long_partial_prefills) == ("gguf", 2, 512, 2)
     assert (decode.long_prefill_token_threshold, decode.max_long_partial_prefills) == (None, 2)  # role default
+    assert prefill.engine_nice == decode.engine_nice == 5
 
 
 def test_router_workers_value_reaches_the_router_spec_only_when_more_than_one(helm):

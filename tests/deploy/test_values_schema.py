@@ -29,6 +29,8 @@ BAD_VALUES = {
     "unknown_redis_mode": ({"redis": {"mode": "sentinel"}}, "at '/redis/mode'"),
     "gpu_memory_utilization_above_one": ({"engine": {"gpuMemoryUtilization": 1.5}},
                                          "at '/engine/gpuMemoryUtilization': maximum: got 1.5, want 1"),
+    "engine_nice_above_19": ({"decode": {"engine": {"engineNice": 20}}},
+                             "at '/decode/engine/engineNice': maximum: got 20, want 19"),
     "unknown_scaler": ({"router": {"scaler": "ray"}}, "at '/router/scaler'"),
     "bad_memory_quantity": ({"decode": {"resources": {"limits": {"memory": "lots"}}}},
                             "at '/decode/resources/limits/memory': 'lots' does not match pattern"),
