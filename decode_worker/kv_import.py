@@ -9,14 +9,22 @@ Arrival) and commits (DecodeWorker._poll_transfers).
 Who may write a ticket's blocks (the engine allocated them; only the loop frees them):
 
     expect(ticket, blocks)   loop, at reservation: a landing opens; the blocks may be written
-    (import thread)          a payload for the ticket arrives: under the landing's lock, if
-                             it is still open, hand the first token to the landing's
-                             early sink (if any: the stream gets it now, not at the loop's
-                             next step boundary), unpack into the blocks and close it; then
-                             an Arrival goes to the loop (take())
+    (receiving thread)       the ticket's payload is complete (the receiver's landed hook):
+                             under the landing's lock, if it is still open, hand the first
+                             token to the landing's early sink (if any: the stream gets it
+                             now, not at the loop's next step boundary, nor after this thread
+                             wakes)
+    (import thread)          the payload is polled: under the landing's lock, if it is still
+                             open, offer the first token to the sink if the hook did not,
+                             unpack into the blocks and close it; then an Arrival goes to the
+                             loop (take())
     cancel(ticket)           loop, before it frees the blocks (abort, expiry, failure, drain):
                              closes the landing, waiting for a write in progress (one unpack at
                              most), so no write lands in a block once it is freed and reused
+
+Priorities: the unpack is bulk work, so this thread runs at the engine thread's nice (it
+shares the cores with the steps as the step threads share them with each other); the first
+token goes from the receiving thread, which stays at the process's priority.
 
 A failed transfer (no payload) leaves the landing open: the router retries the prefill with the
 same ticket. A payload of the wrong size is reported and written nowhere.
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import lower_thread_priority
 from kv_transfer.base import KVReceiver, ReceivedKV, TransferHeader, TransferResult
 from kv_transfer.packing import unpack_blocks
 
@@ -44,9 +53,10 @@ an arrival wakes it at once on the gloo and local receivers)."""
 
 Unpack = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[int]], None]
 EarlySink = Callable[[TransferHeader], bool]
-"""Called on the import thread with a payload's header (first token id and sample time) before
-its unpack; True when it streamed the first token (the loop then must not stream it again).
-Must not block: it only queues the token for the request's stream."""
+"""Called once per payload with its header (first token id and sample time), before its unpack:
+on the receiving thread when the receiver has a landed hook, else on the import thread. True
+when it streamed the first token (the loop then must not stream it again). Must not block: it
+only queues the token for the request's stream."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,16 @@ class _Landing:
         self.early = early
         self.lock = threading.Lock()
         self.open = True
+        self.offered = False
+        """The first token went to `early` (which may have declined it); under `lock`."""
+        self.first_sent = False
+        """`early` streamed the first token; under `lock`."""
+
+    def offer_first_token(self, header: TransferHeader) -> None:
+        """Under `lock`: give the first token to the early sink, once."""
+        if not self.offered:
+            self.offered = True
+            self.first_sent = self.early is not None and self.early(header)
 
 
 class KVImporter:
@@ -82,8 +102,10 @@ class KVImporter:
     """
 
     def __init__(self, receiver: KVReceiver, kv_caches: Sequence[torch.Tensor],
-                 unpack: Unpack = unpack_blocks) -> None:
+                 unpack: Unpack = unpack_blocks, nice: int = 0) -> None:
+        """nice: steps below the process this thread runs at (the engine thread's)."""
         self._receiver = receiver
+        self._nice = nice
         self._kv_caches = kv_caches
         self._unpack = unpack
         self._lock = threading.Lock()
@@ -91,6 +113,7 @@ class KVImporter:
         self._arrivals: deque[Arrival] = deque()  # appended here, popped by the loop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-import", daemon=True)
+        receiver.on_landed(self._landed)
 
     def start(self) -> None:
         self._thread.start()
@@ -128,8 +151,21 @@ class KVImporter:
             items.append(self._arrivals.popleft())
         return items
 
+    # ------------------------------------------------------- receiving thread
+    def _landed(self, header: TransferHeader) -> None:
+        """The receiver's landed hook: the first token goes now, before the import thread wakes
+        (a payload of the wrong size is left to _import, which fails it)."""
+        with self._lock:
+            landing = self._landings.get(header.ticket_id)
+        if landing is None or landing.early is None or header.num_blocks != len(landing.block_ids):
+            return
+        with landing.lock:
+            if landing.open:
+                landing.offer_first_token(header)
+
     # ---------------------------------------------------------- import thread
     def _run(self) -> None:
+        lower_thread_priority(self._nice)
         while not self._stop.is_set():
             self._receiver.wait(WAIT_S)
             for received in self._receiver.poll():
@@ -160,7 +196,8 @@ class KVImporter:
                     logger.warning("KV for closed ticket %d dropped", header.ticket_id)
                     return None
                 landing.open = False
-                sent = landing.early is not None and landing.early(header)
+                landing.offer_first_token(header)  # a no-op when the landed hook gave it
+                sent = landing.first_sent
                 self._unpack(payload, self._kv_caches, landing.block_ids)
             with self._lock:
                 if self._landings.get(header.ticket_id) is landing:

@@ -77,7 +77,7 @@ class DecodeWorker:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.loop = ServingLoop(core)
-        self.importer = KVImporter(receiver, core.kv_caches)
+        self.importer = KVImporter(receiver, core.kv_caches, nice=core.engine_nice)
         """Writes arriving KV into reserved blocks on its own thread, off the engine step."""
         self._lock = threading.Lock()
         """Guards the worker state and `_live` for readers on other threads."""
@@ -326,7 +326,7 @@ class DecodeWorker:
             self.loop.deliver(output)
 
     def _early_first_token(self, record: DecodeRecord, request: Request) -> EarlySink:
-        """Streams the prefill's first token from the import thread the moment its payload is
+        """Streams the prefill's first token from the receiving thread the moment its payload is
         here, instead of at the loop's next step boundary (a decode step of a full batch took
         150-200 ms here). Declines (the loop streams it with its finish after the commit) when
         that token may end the request: a finish must ride on the same output as its token."""

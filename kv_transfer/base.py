@@ -17,9 +17,11 @@ is part of the pure core: it imports no torch (tensors appear in type hints only
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -265,8 +267,32 @@ class KVSender(ABC):
         """
 
 
+LandedHook = Callable[["TransferHeader"], None]
+"""Called with a payload's header (its first token filled in) on the thread that received it."""
+
+
 class KVReceiver(ABC):
-    """D's end: hosts channels that prefill workers join. Used from one thread."""
+    """D's end: hosts channels that prefill workers join. Used from one thread (on_landed's
+    hook excepted: the receiving threads call it)."""
+
+    _landed: LandedHook | None = None
+
+    def on_landed(self, hook: LandedHook | None) -> None:
+        """Call `hook(header)` on the receiving thread the moment a payload is complete, before
+        poll() can return it: the decode worker streams the first token from there, one thread
+        hop sooner than from the thread that polls. Not for failed transfers. The hook must not
+        block; an exception from it is logged and dropped. Set it before opening channels."""
+        self._landed = hook
+
+    def _announce(self, header: TransferHeader) -> None:
+        """For the backends: a payload is complete (call before it can be polled)."""
+        hook = self._landed
+        if hook is None:
+            return
+        try:
+            hook(header)
+        except Exception:  # noqa: BLE001 - the transfer itself is fine; poll() still has it
+            logging.getLogger(__name__).exception("the landed hook failed for ticket %d", header.ticket_id)
 
     @abstractmethod
     def open_channel(self) -> ChannelAddress:

@@ -47,6 +47,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +154,7 @@ class CudaIpcReceiver(KVReceiver):
         self._channels = {k: c for k, c in self._channels.items() if c.thread.is_alive()}
         address = ChannelAddress(self._backend.config.host, self._store.port, uuid.uuid4().hex)
         self._channels[address.channel_id] = _RecvChannel(self._backend, address, self._store,
-                                                          self._inbox, self._retired)
+                                                          self._inbox, self._retired, self._announce)
         return address
 
     def close_channel(self, address: ChannelAddress) -> None:
@@ -206,9 +207,10 @@ class _RecvChannel:
     """One P's channel on D: the staging buffer, and the thread that copies out of it."""
 
     def __init__(self, backend: CudaIpcBackend, address: ChannelAddress, host_store: Any,
-                 inbox: deque[ReceivedKV], retired: list[int]) -> None:
+                 inbox: deque[ReceivedKV], retired: list[int],
+                 announce: Callable[[TransferHeader], None]) -> None:
         self._backend, self._config, self.address = backend, backend.config, address
-        self._inbox, self._retired = inbox, retired
+        self._inbox, self._retired, self._announce = inbox, retired, announce
         self._host_store = PrefixStore(address.channel_id, host_store)
         cp = _cupy()
         with cp.cuda.Device(backend.device.index):
@@ -323,6 +325,7 @@ class _RecvChannel:
             return incoming
         result = TransferResult(header.ticket_id, TransferState.DONE, incoming.received,
                                 time.perf_counter() - incoming.start)
+        self._announce(header)
         self._inbox.append(ReceivedKV(header, incoming.payload, result))
         return None
 

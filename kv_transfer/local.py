@@ -45,6 +45,8 @@ class LocalReceiver(KVReceiver):
             del self._backend.channels[address]
 
     def deliver(self, item: ReceivedKV) -> None:
+        if item.payload is not None:
+            self._announce(item.header)
         self._inbox.append(item)
         self._arrived.set()
 

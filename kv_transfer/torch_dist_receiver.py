@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,7 @@ class TorchDistReceiver(KVReceiver):
         # Set before the address leaves D, so P never waits for it.
         PrefixStore(address.channel_id, self._store).set(wire.NONCE_KEY, nonce)
         self._channels[address.channel_id] = _Channel(self._backend, address, nonce, self._inbox,
-                                                      self._pool, self._arrived)
+                                                      self._pool, self._arrived, self._announce)
         return address
 
     def close_channel(self, address: ChannelAddress) -> None:
@@ -103,7 +104,8 @@ class _Channel:
     """One P's channel on D: its thread, and the doorbell sequence number it waits on."""
 
     def __init__(self, backend: TorchDistBackend, address: ChannelAddress, nonce: bytes,
-                 inbox: deque[ReceivedKV], pool: RecvBufferPool, arrived: threading.Event) -> None:
+                 inbox: deque[ReceivedKV], pool: RecvBufferPool, arrived: threading.Event,
+                 announce: Callable[[TransferHeader], None]) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
@@ -111,6 +113,7 @@ class _Channel:
         self._inbox = inbox
         self._pool = pool
         self._arrived = arrived
+        self._announce = announce
         self._lock = threading.Lock()
         self._seq = 0  # the ring D waits on next; guarded by _lock
         self._stopping = False
@@ -241,6 +244,7 @@ class _Channel:
             self._arrived.set()
             return True
         header = replace(header, first_token_id=first_token_id, first_token_at_us=first_token_at_us)
+        self._announce(header)  # on this thread: the first token goes before the importer wakes
         result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
                                 deadline.elapsed())
         self._inbox.append(ReceivedKV(header, payload, result))

@@ -18,6 +18,7 @@ from decode_worker.servicer import DecodeWorkerServicer
 from decode_worker.worker import DecodeState
 from engine.sampling_params import SamplingParams
 from engine.serving_loop import wait_until
+from kv_transfer.local import LocalBackend
 from kv_transfer.packing import make_header, pack_blocks, unpack_blocks
 from prefill_worker.worker import DecodeTarget
 from proto.convert import params_to_proto
@@ -138,7 +139,7 @@ def test_a_stream_first_token_request_streams_the_first_token_before_the_prefill
     _idle(pair)
 
 
-def test_the_first_token_streams_from_the_import_thread_while_the_engine_loop_is_held(pair):
+def test_the_first_token_streams_as_its_payload_lands_while_the_engine_loop_is_held(pair):
     payload = _payload(pair, 3, seed=2)
 
     async def run():
@@ -157,6 +158,51 @@ def test_the_first_token_streams_from_the_import_thread_while_the_engine_loop_is
     assert sum(len(i.new_token_ids) for i in rest) == PARAMS.max_tokens - 1  # 77 is not sent twice
     assert record.history == [S.TICKETED, S.DECODING, S.FINISHED]
     _idle(pair)
+
+
+def test_the_first_token_streams_from_the_receiving_thread_while_the_import_thread_is_busy(pair):
+    polled, go = threading.Event(), threading.Event()
+    real_import = pair.decode.importer._import
+
+    def stalled_import(received):  # the import thread took the payload and gets no further
+        polled.set()
+        assert go.wait(30), "the test never released the import"
+        return real_import(received)
+
+    pair.decode.importer._import = stalled_import
+    payload = _payload(pair, 3, seed=4)
+
+    async def run():
+        ticket, outputs = await pair.decode.admit("r", P, PARAMS, 60.0, stream_first_token=True)
+        sender = pair.backend.connect(pair.receiver.open_channel())
+        sender.send(make_header(ticket.ticket_id, 77, payload, first_token_at=1234.5), payload)
+        first = await asyncio.wait_for(outputs.get(), 10)
+        stalled = await asyncio.to_thread(polled.wait, 10) and not go.is_set()
+        go.set()
+        return first, stalled, await _rest(outputs)
+
+    first, stalled, rest = asyncio.run(run())
+    assert (first.new_token_ids, first.sampled_at, stalled) == ((77,), 1234.5, True)
+    assert sum(len(i.new_token_ids) for i in rest) == PARAMS.max_tokens - 1  # 77 is not sent twice
+    _idle(pair)
+
+
+def test_a_landed_hook_that_raises_is_logged_and_the_payload_is_still_polled(caplog):
+    backend = LocalBackend()
+    receiver = backend.open_receiver()
+    seen = []
+
+    def broken(header):
+        seen.append(header.ticket_id)
+        raise RuntimeError("hook broke")
+
+    receiver.on_landed(broken)
+    payload = torch.zeros(2, 2, 1, 16, 1, 8)
+    backend.connect(receiver.open_channel()).send(make_header(5, 77, payload), payload)
+    assert wait_until(lambda: bool(seen), 10)
+    [received] = receiver.poll()
+    assert (seen, received.header.ticket_id, received.payload is not None) == ([5], 5, True)
+    assert "the landed hook failed for ticket 5" in caplog.text
 
 
 def test_a_first_token_that_is_a_stop_token_waits_for_the_loop_and_streams_with_its_finish(pair):
