@@ -91,8 +91,8 @@ class StepThreads:
 
 ENGINE_NICE_CPU = 10
 """Default EngineConfig.engine_nice on CPU. Measured on the 2-core EPYC (1 prefill + 1 decode,
-16 streams of 420-token prompts): token delivery delay p99 9.2-11.0 ms at 0, 7.2-8.4 at 10;
-19 measured the same as 10."""
+16 streams of 420-token prompts): token delivery delay p99 9.4-11.8 ms at 0, 6.5-7.5 at 10
+(benchmarks/RESULTS.md); 19 measured the same as 10."""
 
 
 def engine_nice_for(configured: int | None, device: torch.device) -> int:
