@@ -47,7 +47,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +60,7 @@ from kv_transfer.base import (
     KVReceiver,
     KVSender,
     KVTransferBackend,
+    LandedHook,
     ReceivedKV,
     TransferConfig,
     TransferHeader,
@@ -208,7 +208,7 @@ class _RecvChannel:
 
     def __init__(self, backend: CudaIpcBackend, address: ChannelAddress, host_store: Any,
                  inbox: deque[ReceivedKV], retired: list[int],
-                 announce: Callable[[TransferHeader], None]) -> None:
+                 announce: LandedHook) -> None:
         self._backend, self._config, self.address = backend, backend.config, address
         self._inbox, self._retired, self._announce = inbox, retired, announce
         self._host_store = PrefixStore(address.channel_id, host_store)

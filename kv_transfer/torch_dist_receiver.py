@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from kv_transfer.base import (
     HEADER_LEN,
     ChannelAddress,
     KVReceiver,
+    LandedHook,
     ReceivedKV,
     TransferHeader,
     TransferResult,
@@ -105,7 +105,7 @@ class _Channel:
 
     def __init__(self, backend: TorchDistBackend, address: ChannelAddress, nonce: bytes,
                  inbox: deque[ReceivedKV], pool: RecvBufferPool, arrived: threading.Event,
-                 announce: Callable[[TransferHeader], None]) -> None:
+                 announce: LandedHook) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
