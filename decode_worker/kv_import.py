@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device import lower_thread_priority
+from engine.thread_priority import lower_thread_priority
 from kv_transfer.base import KVReceiver, ReceivedKV, TransferHeader, TransferResult
 from kv_transfer.packing import unpack_blocks
 

@@ -27,8 +27,7 @@ import torch
 from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
 from engine.config import EngineConfig
 from engine.device import (
-    StepThreads, available_memory_bytes, engine_nice_for, resolve_device, resolve_dtype, resolve_kv_dtype,
-    set_num_threads,
+    StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
 )
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
@@ -40,6 +39,7 @@ from engine.loader.weights_cache import default_cache_dir
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
 from engine.scheduler import EngineCoreOutput, Reservation, Scheduler, SchedulerStats
+from engine.thread_priority import engine_nice_for
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

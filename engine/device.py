@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -87,31 +85,6 @@ class StepThreads:
     def resolve(cls, threads: int, decode_threads: int | None) -> "StepThreads":
         """`threads` as set_num_threads chose them; decode_threads None: one thread for small steps."""
         return cls(full=threads, small=min(threads, decode_threads or 1))
-
-
-ENGINE_NICE_CPU = 10
-"""Default EngineConfig.engine_nice on CPU. Measured on the 2-core EPYC (1 prefill + 1 decode,
-16 streams of 420-token prompts): token delivery delay p99 9.4-11.8 ms at 0, 6.5-7.5 at 10
-(benchmarks/RESULTS.md); 19 measured the same as 10."""
-
-
-def engine_nice_for(configured: int | None, device: torch.device) -> int:
-    """EngineConfig.engine_nice resolved: None is ENGINE_NICE_CPU on CPU, 0 elsewhere."""
-    if configured is not None:
-        return configured
-    return ENGINE_NICE_CPU if device.type == "cpu" else 0
-
-
-def lower_thread_priority(steps: int) -> int | None:
-    """Lower the calling thread's priority by `steps` nice steps (at most to 19); threads it starts
-    from now on inherit it. Returns the thread's nice, or None where it was left alone: steps 0,
-    or not Linux (there a thread id is no process id, and setpriority would reach the process)."""
-    if steps <= 0 or not sys.platform.startswith("linux"):
-        return None
-    tid = threading.get_native_id()
-    nice = min(os.getpriority(os.PRIO_PROCESS, tid) + steps, 19)
-    os.setpriority(os.PRIO_PROCESS, tid, nice)
-    return nice
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.core import EngineCore
-from engine.device import lower_thread_priority
+from engine.thread_priority import lower_thread_priority
 from engine.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch.distributed import DistStoreError, PrefixStore
 
+from engine.thread_priority import start_at_process_priority
 from kv_transfer import wire
 from kv_transfer.base import (
     HEADER_LEN,
@@ -358,7 +359,7 @@ class CudaIpcSender(KVSender):
         self._closing = False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kv-ipc-send-{address.channel_id}")
-        self._thread.start()
+        start_at_process_priority(self._thread)  # made from the engine loop, which may run lower
 
     # ---------------------------------------------------------------- caller's thread
     def send(self, header: TransferHeader, payload: torch.Tensor) -> None:

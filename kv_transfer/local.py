@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.thread_priority import start_at_process_priority
 from kv_transfer.base import (
     ChannelAddress,
     KVReceiver,
@@ -89,7 +90,8 @@ class LocalSender(KVSender):
             if ticket in self._done:
                 raise ValueError(f"ticket {ticket} is already outstanding")
             self._done[ticket] = None
-        threading.Thread(target=self._gather, args=(feed,), name=f"kv-local-{ticket}", daemon=True).start()
+        start_at_process_priority(  # called from the engine loop, which may run lower
+            threading.Thread(target=self._gather, args=(feed,), name=f"kv-local-{ticket}", daemon=True))
 
     def _gather(self, feed: LayerFeed, timeout_s: float = 30.0) -> None:
         header, start = feed.header, time.perf_counter()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.thread_priority import start_at_process_priority
 from kv_transfer.base import (
     ChannelAddress,
     KVSender,
@@ -54,7 +55,9 @@ class TorchDistSender(KVSender):
         self._closing = False
         self._thread = threading.Thread(
             target=self._run, name=f"kv-send-{address.channel_id}", daemon=True)
-        self._thread.start()
+        # P makes its senders from the engine loop, which runs at a lower priority; the sends
+        # (and the process group's own threads this one starts) must not queue behind the step.
+        start_at_process_priority(self._thread)
 
     # ---------------------------------------------------------------- caller's thread
     def send(self, header: TransferHeader, payload: torch.Tensor) -> None:

@@ -3,13 +3,16 @@ groups at once, closing from either side, nobody listening, a channel nobody joi
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
+from engine.thread_priority import lower_thread_priority
 from kv_transfer.base import (
     KV_TRANSFER_BACKENDS,
     ChannelAddress,
@@ -255,3 +258,47 @@ def test_a_peer_in_the_group_without_the_group_proof_is_dropped_before_any_kv(re
     assert [r.getMessage() for r in caplog.records if "closed before" in r.getMessage()] == [
         f"kv channel {address.channel_id} closed before a prefill worker joined: the peer in the "
         "group did not prove the cluster secret (P side)"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_a_sender_made_from_the_lowered_engine_loop_sends_at_the_process_priority(receiver):
+    """P makes its senders from the engine loop (EngineConfig.engine_nice below the process):
+    the sender's thread and the process group's threads it starts must not inherit that."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    made: list = []
+    address = receiver.open_channel()  # D opens it, at its own priority
+
+    def engine_loop():
+        lower_thread_priority(7)
+        sender = gloo().connect(address)
+        made.append(sender)
+        sent = payload(1)
+        sender.send(make_header(1, 101, sent), sent)
+
+    loop = threading.Thread(target=engine_loop)
+    loop.start()
+    loop.join(10)
+    sender = made[0]
+    try:
+        assert [g.header.ticket_id for g in drain(receiver.poll, 1)] == [1]
+        assert [r.state for r in drain(sender.poll, 1)] == [TransferState.DONE]
+        lowered = [tid for tid in os.listdir("/proc/self/task") if _task_nice(tid) != base]
+        assert lowered == [], f"threads left below the process's nice {base}: {[_comm(t) for t in lowered]}"
+    finally:
+        sender.close()
+
+
+def _task_nice(tid: str) -> int:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+    except FileNotFoundError:  # the thread ended meanwhile
+        return os.getpriority(os.PRIO_PROCESS, os.getpid())
+
+
+def _comm(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f"{tid} {f.read().strip()} nice {_task_nice(tid)}"
+    except FileNotFoundError:
+        return f"{tid} (ended)"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.device import ENGINE_NICE_CPU, engine_nice_for, lower_thread_priority
+from engine.thread_priority import ENGINE_NICE_CPU, engine_nice_for, lower_thread_priority, start_at_process_priority
 from engine.serving_loop import ServingLoop
 from tests.tiny_model import tiny_llm, write_tiny_model
 
@@ -70,3 +70,45 @@ def test_the_serving_loop_steps_at_the_configured_nice(tmp_path: Path):
     finally:
         loop.stop()
     assert _nice() == base
+
+
+@linux_only
+def test_a_lowered_thread_starts_token_threads_at_the_process_priority():
+    """A thread inherits its creator's nice and cannot raise it back without privilege: the
+    starter thread (made before the first lowering) starts them instead."""
+    base = _nice()
+
+    def lowered():
+        lower_thread_priority(5)
+        plain = _in_thread(_nice)
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(_nice()))
+        start_at_process_priority(thread)
+        thread.join(10)
+        return plain, seen[0]
+
+    plain, started = _in_thread(lowered)
+    assert plain == min(base + 5, 19)
+    assert started == base
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(_nice()))
+    start_at_process_priority(thread)  # from a thread at the process's priority: started directly
+    thread.join(10)
+    assert seen == [base]
+
+
+@linux_only
+def test_a_thread_that_fails_to_start_raises_in_the_caller():
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    thread.join(10)
+
+    def lowered():
+        lower_thread_priority(2)
+        try:
+            start_at_process_priority(thread)  # a thread can only be started once
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    assert "threads can only be started once" in _in_thread(lowered)
