@@ -97,6 +97,12 @@ class _ThreadStarter:
         if error is not None:
             raise error
 
+    @classmethod
+    def _forget(cls) -> None:
+        """After a fork: the child has no starter thread, so its first lowering makes one."""
+        cls.instance = None
+        cls._made = threading.Lock()
+
     def _run(self) -> None:
         while True:
             thread, answer = self._requests.get()
@@ -106,3 +112,7 @@ class _ThreadStarter:
                 answer.put(exc)
             else:
                 answer.put(None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ThreadStarter._forget)

@@ -112,3 +112,34 @@ def test_a_thread_that_fails_to_start_raises_in_the_caller():
         return None
 
     assert "threads can only be started once" in _in_thread(lowered)
+
+
+@linux_only
+def test_a_forked_child_makes_its_own_starter():
+    """The starter thread does not survive a fork: the child's first lowering makes a new one
+    instead of waiting on a thread that is not there."""
+
+    def lowered():
+        lower_thread_priority(1)  # the parent's starter exists from here on
+        return True
+
+    assert _in_thread(lowered)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if a lowered thread's start works
+        code = 1
+        try:
+            base = _nice()
+
+            def child_lowered():
+                lower_thread_priority(2)
+                seen: list[int] = []
+                thread = threading.Thread(target=lambda: seen.append(_nice()))
+                start_at_process_priority(thread)
+                thread.join(5)
+                return seen == [base]
+
+            code = 0 if _in_thread(child_lowered) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
