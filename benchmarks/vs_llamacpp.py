@@ -152,7 +152,11 @@ def bench_server(procs: Processes, server: Server, model_name: str, loads: list[
 
 def check_complete(result: dict, what: str) -> None:
     """Every request failing is an error; a few failing is reported (the table's `failed`
-    column), since the other requests still measure the server."""
+    column), since the other requests still measure the server. Requests sent again after a
+    dropped keep-alive connection (pdserve.bench.client) are reported too."""
+    if result.get("resent"):
+        print(f"  NOTE {what}: {result['resent']} request(s) sent again after the server closed a "
+              "reused connection before answering", flush=True)
     if not result["failed"]:
         return
     errors = [e for e in result.get("errors", []) if e][:3]

@@ -8,7 +8,11 @@ router asked for them (X-Pdserve-Token-Times) also says when each token was samp
 difference to its arrival here is its delivery delay (both unix clocks: on one host exact, across
 hosts as good as their clock sync).
 A request never raises: HTTP errors, in-band errors and broken streams become a failed
-`RequestOutput` carrying the message.
+`RequestOutput` carrying the message. One exception: a request whose connection broke before
+any byte of a response came back is sent again (at most RESENDS times; `resent` counts them).
+A server that closes an idle keep-alive connection just as the client reuses it (llama-server
+does, "Server disconnected without sending a response") never saw the request; counting it as
+failed would leave that server fewer requests in flight than its peer in the same comparison.
 """
 
 from __future__ import annotations
@@ -71,6 +75,16 @@ class RequestOutput:
     generated_text: str = ""
     delivery: tuple[float, ...] = ()
     """Per token whose sample time the server sent: arrival (time.time()) minus sample time."""
+    resent: int = 0
+    """Times the request was sent again after its connection broke before any response."""
+
+
+RESENDS = 2
+"""Most times one request is sent again after its connection broke before any response."""
+
+_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""Connection errors that, raised before the response's status line, mean the server never
+answered (not ConnectError: a server that is not there fails at once)."""
 
 
 class _Stream:
@@ -110,7 +124,7 @@ class _Stream:
             self.tokens += 1
             self.text.append(chunk.text)
 
-    def output(self) -> RequestOutput:
+    def output(self, resent: int = 0) -> RequestOutput:
         error = self.error
         if error is None and self.ttft is None:
             error = "the stream ended without a token"
@@ -121,27 +135,40 @@ class _Stream:
             output_tokens=self.usage_tokens if self.usage_tokens is not None else self.tokens,
             ttft=self.ttft or 0.0, itl=tuple(self.itl), latency=self.last - self.start,
             start_time=self.start, generated_text="".join(self.text), delivery=tuple(self.delivery),
+            resent=resent,
         )
 
 
 async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: SampleRequest) -> RequestOutput:
-    """POST one streamed request and time it. Never raises (but lets cancellation through)."""
+    """POST one streamed request and time it (from the first send, resends included). Never
+    raises (but lets cancellation through)."""
     start = time.perf_counter()
-    stream = _Stream(start, request.prompt_len)
-    try:
-        async with client.stream("POST", endpoint.api_url, json=endpoint.payload(request),
-                                 headers=dict(endpoint.headers)) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")
-                return RequestOutput(False, f"HTTP {response.status_code}: {body[:300]}",
-                                     request.prompt_len, start_time=start)
-            decoder = SSEDecoder()
-            async for data in response.aiter_bytes():
-                now, wall = time.perf_counter(), time.time()
-                for payload in decoder.feed(data):
-                    stream.add(payload, now, wall)
-            for payload in decoder.close():
-                stream.add(payload, time.perf_counter())
-    except Exception as exc:  # noqa: BLE001 — one broken request must not end the run
-        return RequestOutput(False, f"{type(exc).__name__}: {exc}", request.prompt_len, start_time=start)
-    return stream.output()
+    for resent in range(RESENDS + 1):
+        stream, answered = _Stream(start, request.prompt_len), False
+        try:
+            async with client.stream("POST", endpoint.api_url, json=endpoint.payload(request),
+                                     headers=dict(endpoint.headers)) as response:
+                answered = True
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", "replace")
+                    return RequestOutput(False, f"HTTP {response.status_code}: {body[:300]}",
+                                         request.prompt_len, start_time=start, resent=resent)
+                decoder = SSEDecoder()
+                async for data in response.aiter_bytes():
+                    now, wall = time.perf_counter(), time.time()
+                    for payload in decoder.feed(data):
+                        stream.add(payload, now, wall)
+                for payload in decoder.close():
+                    stream.add(payload, time.perf_counter())
+        except _UNANSWERED as exc:
+            if answered or resent == RESENDS:
+                return _failed(exc, request, start, resent)
+            continue
+        except Exception as exc:  # noqa: BLE001 — one broken request must not end the run
+            return _failed(exc, request, start, resent)
+        return stream.output(resent)
+    raise AssertionError("unreachable: the last attempt returns")
+
+
+def _failed(exc: Exception, request: SampleRequest, start: float, resent: int) -> RequestOutput:
+    return RequestOutput(False, f"{type(exc).__name__}: {exc}", request.prompt_len, start_time=start, resent=resent)

@@ -51,6 +51,9 @@ def result_block(m: BenchmarkMetrics, run: RunResult, info: RunInfo, printed_met
     """vLLM's "Serving Benchmark Result" block, plus the client's CPU use."""
     lines = ["{:=^50}".format(" Serving Benchmark Result "),
              _line("Successful requests:", m.completed), _line("Failed requests:", m.failed)]
+    resent = sum(o.resent for o in run.outputs)
+    if resent:  # connections the server closed before answering (see pdserve.bench.client)
+        lines.append(_line("Resent after a dropped connection:", resent))
     if info.max_concurrency is not None:
         lines.append(_line("Maximum request concurrency:", info.max_concurrency))
     if not math.isinf(info.request_rate):
@@ -107,6 +110,7 @@ def result_json(m: BenchmarkMetrics, run: RunResult, info: RunInfo, goodput: boo
         "request_rate": info.request_rate if not math.isinf(info.request_rate) else "inf",
         "burstiness": info.burstiness, "max_concurrency": info.max_concurrency,
         "duration": run.duration_s, "completed": m.completed, "failed": m.failed,
+        "resent": sum(o.resent for o in outputs),
         "total_input_tokens": m.total_input, "total_output_tokens": m.total_output,
         "request_throughput": m.request_throughput,
         "request_goodput": m.request_goodput if goodput else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from pdserve.bench.client import RequestOutput
 from pdserve.bench.metrics import compute_metrics
@@ -26,10 +27,11 @@ VLLM_FIELDS = {  # what `vllm bench serve --save-result --save-detailed` writes 
 } | {f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std")}
 
 
-def test_json_has_vllms_fields_plus_p90_p99_and_client_cpu():
+def test_json_has_vllms_fields_plus_p90_p99_client_cpu_and_resends():
     result = result_json(compute_metrics(OUTPUTS, 2.0, [99.0]), RUN, INFO, goodput=False)
     percentiles = {f"p{p}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for p in ("90", "99")}
-    assert set(result) == VLLM_FIELDS | percentiles | {"client_cpu_percent", "client_cpu_seconds"}
+    assert set(result) == VLLM_FIELDS | percentiles | {"client_cpu_percent", "client_cpu_seconds", "resent"}
+    assert result["resent"] == 0
     assert (result["request_rate"], result["request_goodput"], result["client_cpu_percent"]) == ("inf", None, 25.0)
     assert result["errors"] == ["", "HTTP 503: every decode worker is full"]
     assert (result["output_lens"], result["itls"], result["input_lens"]) == ([3, 0], [[0.05, 0.05], []], [10, 10])
@@ -71,3 +73,14 @@ def test_default_result_filename_follows_vllm():
     assert str(result_path(INFO, "out", None, "20260101-000000")) == (
         "out/openai-infqps-concurrency4-SmolLM2-135M-Instruct-20260101-000000.json")
     assert str(result_path(INFO, None, "r.json", "d")) == "r.json"
+
+
+def test_resends_are_shown_and_saved_only_as_counted():
+    resent = [replace(OUTPUTS[0], resent=2), OUTPUTS[1]]
+    run = replace(RUN, outputs=resent)
+    metrics = compute_metrics(resent, 2.0, [99.0])
+    block = result_block(metrics, run, INFO, ["ttft"], [99.0], goodput=False).splitlines()
+    assert block[3] == "Resent after a dropped connection:       2         "
+    assert result_json(metrics, run, INFO, goodput=False)["resent"] == 2
+    assert not any(line.startswith("Resent") for line in result_block(
+        compute_metrics(OUTPUTS, 2.0, [99.0]), RUN, INFO, ["ttft"], [99.0], goodput=False).splitlines())
