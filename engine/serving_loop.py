@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.core import EngineCore
-from engine.thread_priority import lower_thread_priority
 from engine.scheduler import EngineCoreOutput
+from engine.thread_priority import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -8,11 +8,11 @@ router asked for them (X-Pdserve-Token-Times) also says when each token was samp
 difference to its arrival here is its delivery delay (both unix clocks: on one host exact, across
 hosts as good as their clock sync).
 A request never raises: HTTP errors, in-band errors and broken streams become a failed
-`RequestOutput` carrying the message. One exception: a request whose connection broke before
+`RequestOutput` carrying the message, but for one case: a request whose connection broke before
 any byte of a response came back is sent again (at most RESENDS times; `resent` counts them).
 A server that closes an idle keep-alive connection just as the client reuses it (llama-server
-does, "Server disconnected without sending a response") never saw the request; counting it as
-failed would leave that server fewer requests in flight than its peer in the same comparison.
+does: "Server disconnected without sending a response") has not answered the request; counting
+it as failed would leave that server fewer requests in flight than its peer in the same run.
 """
 
 from __future__ import annotations
