@@ -36,13 +36,19 @@ def free_port(host: str = LOCALHOST) -> int:
 
 def port_is_free(port: int, host: str = LOCALHOST) -> bool:
     """Nothing listens there (TIME_WAIT leftovers of closed connections do not count)."""
-    with socket.socket() as sock:
+    return bind_error(host, port) is None
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on host:port now (taken, no such address, ...), or None.
+    TIME_WAIT leftovers of closed connections do not count (SO_REUSEADDR, as servers bind)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
-        return True
+        except OSError as exc:
+            return exc
+        return None
 
 
 def ephemeral_ports_start() -> int:

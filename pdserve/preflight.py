@@ -14,7 +14,6 @@ starts is not known here; the worker checks that one itself (engine.capacity.KVC
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from engine.capacity import (
     KVCapacity, kv_budget, kv_dtype_name, plan_capacity, resolve_max_model_len, weights_bytes,
 )
 from engine.config import EngineConfig
+from pdserve.ports import bind_error
 
 
 def port_problem(host: str, ports: Iterable[tuple[str, int]]) -> str | None:
@@ -33,12 +33,9 @@ def port_problem(host: str, ports: Iterable[tuple[str, int]]) -> str | None:
         if port in seen:
             return f"{seen[port]} and {flag} are both {port}"
         seen[port] = flag
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                return f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); choose another {flag}"
+        exc = bind_error(host, port)
+        if exc is not None:
+            return f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); choose another {flag}"
     return None
 
 
