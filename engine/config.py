@@ -92,6 +92,10 @@ class EngineConfig:
     cpu_packed_weights: bool = True
     """On CPU, run linears on oneDNN-packed weights (about 2x faster in float32; results
     differ from plain F.linear in the last bits). False: plain torch linears."""
+    cpu_attention_kernel: bool = True
+    """On CPU, decode attention runs in this project's C kernel (engine.cpu_kernels, built with
+    the host's C compiler at start; it reads K/V in place from the cache blocks), for float32
+    and bfloat16 caches. False, or no compiler: torch's SDPA over a copy of the blocks."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
     auto and none: dense in `dtype` (a GGUF is dequantized; measured faster than torch's int4 CPU

@@ -26,6 +26,7 @@ import torch
 
 from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
 from engine.config import EngineConfig
+from engine.cpu_kernels import PagedDecodeKernel, load_decode_kernel, unsupported
 from engine.device import (
     StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
 )
@@ -135,6 +136,7 @@ class EngineCore:
             loaded.module, self.spec, kv_caches, config.block_size, self.max_model_len, self.device,
             swap_caches,
             StepThreads.resolve(self.num_threads, config.decode_threads) if self.device.type == "cpu" else None,
+            self._cpu_decode_kernel(kv_torch_dtype),
         )
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         self.stalled = False
@@ -150,6 +152,23 @@ class EngineCore:
             logger.info("long prompts (over %d tokens): chunks of %d tokens, at most %d at once; shorter prompts "
                         "may go ahead of them", config.long_prefill_token_threshold,
                         config.long_prefill_token_threshold, config.max_long_partial_prefills)
+
+    def _cpu_decode_kernel(self, kv_dtype: torch.dtype) -> PagedDecodeKernel | None:
+        """The C decode attention kernel when this engine runs on CPU, wants it and it takes the
+        model; the log says which attention decodes and why."""
+        if self.device.type != "cpu" or not self.config.cpu_attention_kernel:
+            return None
+        spec = self.spec
+        reason = unsupported(self.dtype, kv_dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        kernel = None
+        if reason is None:
+            started = time.monotonic()
+            kernel, reason = load_decode_kernel()
+        if kernel is None:
+            logger.warning("CPU decode attention: torch SDPA (the C kernel does not serve this engine: %s)", reason)
+            return None
+        logger.info("CPU decode attention: C kernel %s (ready in %.1f s)", kernel.path, time.monotonic() - started)
+        return kernel
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.spec, self.config.max_model_len)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from engine.cpu_kernels import PagedDecodeKernel, check_tables
 from engine.device import StepThreads
 from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.model.rope import rope_tables
@@ -83,9 +84,12 @@ class ModelRunner:
         device: torch.device,
         swap_caches: list[torch.Tensor] | None = None,
         step_threads: StepThreads | None = None,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
-        """step_threads: intra-op threads by step size (CPU); None leaves torch's setting alone."""
+        """step_threads: intra-op threads by step size (CPU); None leaves torch's setting alone.
+        decode_kernel: the CPU decode attention kernel (engine.cpu_kernels); None: torch's."""
         self.model = model
+        self.decode_kernel = decode_kernel
         self.step_threads = step_threads
         self._threads_now = torch.get_num_threads()
         self.spec = spec
@@ -218,13 +222,15 @@ class ModelRunner:
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
             spans.append(PrefillSpan(start, end, self._context_slots(work, context_len), mask))
             start = end
-        return AttentionMetadata(slot_mapping, groups, tuple(spans))
+        return AttentionMetadata(slot_mapping, groups, tuple(spans), self.decode_kernel)
 
     def _decode_groups(self, decodes) -> tuple[DecodeGroup, ...]:
         """Decodes (token i of the step is decode i) grouped by the power of two just above
         their block count, so each group pads a context to at most twice its blocks: one
         long context no longer makes every short one in the batch attend over its length."""
         bs = self.block_size
+        if self.decode_kernel is not None and decodes:  # it reads each context's own length: one group
+            return (self._kernel_group(decodes),)
         by_size: dict[int, list[int]] = {}
         for i, work in enumerate(decodes):
             blocks = -(-(work.start_position + 1) // bs)
@@ -244,3 +250,15 @@ class ModelRunner:
             index = torch.tensor(members, dtype=torch.int64, device=self.device)
             groups.append(DecodeGroup(index, tables, lens, mask))
         return tuple(groups)
+
+    def _kernel_group(self, decodes) -> DecodeGroup:
+        """Every decode in one group for the CPU kernel: tables padded with block 0 to the longest,
+        no mask (the kernel stops at each context's length), checked once for all layers."""
+        bs = self.block_size
+        contexts = [work.start_position + 1 for work in decodes]
+        max_blocks = -(-max(contexts) // bs)
+        rows = [list(work.block_ids[:max_blocks]) for work in decodes]
+        tables = torch.tensor([row + [0] * (max_blocks - len(row)) for row in rows], dtype=torch.int64)
+        lens = torch.tensor(contexts, dtype=torch.int64)
+        check_tables(tables, lens, self.kv_caches[0].shape[1], bs)
+        return DecodeGroup(torch.arange(len(decodes)), tables, lens, None)

@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     g.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run linears on oneDNN-packed weights (faster; last bits differ from F.linear)")
+    g.add_argument("--cpu-attention-kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU, run decode attention in pdserve's C kernel, built at start with the host's "
+                        "C compiler (default; without a compiler: torch's SDPA)")
     add_config_arg(g)
 
 

@@ -1,4 +1,5 @@
-"""Paged attention, torch reference implementation (the CPU path).
+"""Paged attention, torch reference implementation (the CPU path; decode queries go to the C
+kernel of engine.cpu_kernels when the runner puts one in the metadata).
 
 KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
 Each step writes the new tokens' K/V into their slots first, then every query attends
@@ -8,6 +9,7 @@ step or by another request (prefix cache), reads it from the cache like its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +29,9 @@ class PrefillSpan:
 @dataclass(frozen=True)
 class DecodeGroup:
     """Single-token queries whose contexts span a similar number of blocks (the runner groups
-    them so padding at most doubles a query's work), attended as one batch over whole blocks."""
+    them so padding at most doubles a query's work), attended as one batch over whole blocks.
+    With the CPU decode kernel every decode of a step is one group: the kernel stops at each
+    query's own context length, so padding costs nothing there."""
 
     index: torch.Tensor  # [m] int64: token index of each query in the step
     block_tables: torch.Tensor  # [m, max_blocks] int64, padded with block 0
@@ -42,6 +46,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * block_size + offset)
     decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
+    decode_kernel: Callable[..., torch.Tensor] | None = None
+    """CPU decode kernel (engine.cpu_kernels.PagedDecodeKernel) for the decode groups, whose
+    tables the runner has checked; None: the torch path."""
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -91,10 +98,12 @@ def paged_attention(
     Reads K/V from the cache only (write_kv must have run for this step's tokens).
     """
     if len(meta.decodes) == 1 and not meta.prefills and not _use_kernels(q, kv_cache):
-        return _decode_group(q, kv_cache, meta.decodes[0], scale)  # a pure decode step: no scatter
+        return _decode(q, kv_cache, meta.decodes[0], meta, scale)  # a pure decode step: no scatter
     out = torch.empty_like(q)
     for group in meta.decodes:
-        if _use_kernels(q, kv_cache) and q.shape[-1] <= 256:
+        if meta.decode_kernel is not None:
+            out[group.index] = _decode(q[group.index], kv_cache, group, meta, scale)
+        elif _use_kernels(q, kv_cache) and q.shape[-1] <= 256:
             from engine.kernels import paged_decode_attention
 
             out[group.index] = paged_decode_attention(
@@ -103,6 +112,14 @@ def paged_attention(
         else:
             out[group.index] = _decode_group(q[group.index], kv_cache, group, scale)
     return _prefills(q, _flat(kv_cache), kv_cache.dtype, meta, scale, out)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    """One decode group on the CPU: the C kernel when the runner gave one, else torch."""
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(q.contiguous(), kv_cache, group.block_tables, group.context_lens, scale)
+    return _decode_group(q, kv_cache, group, scale)
 
 
 def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:

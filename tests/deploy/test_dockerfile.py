@@ -41,3 +41,12 @@ def test_the_image_runs_as_non_root_with_a_cuda_base_as_a_build_arg():
     assert _instructions("ENTRYPOINT") == ['["pdserve"]']
     args = [a.split("=")[0].lower() for a in _instructions("ARG")]
     assert not [a for a in args if any(w in a for w in ("secret", "password", "key", "token"))]
+
+
+def test_the_image_has_a_c_compiler_for_the_cpu_kernels():
+    """engine/cpu_kernels builds its C source at start; without a compiler a worker falls back to
+    the slower torch path, so the image brings one, and pyproject ships the source."""
+    run = " ".join(_instructions("RUN"))
+    assert re.search(r"apt-get install -y --no-install-recommends gcc libc6-dev", run)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "cpu_kernels/*.c" in pyproject["tool"]["setuptools"]["package-data"]["engine"]

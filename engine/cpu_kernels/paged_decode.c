@@ -1,0 +1,257 @@
+/* Paged decode attention on the CPU: one query token per sequence, read straight from the
+ * block-paged KV cache (no gather copy), scores and sums in float32.
+ *
+ * Layouts (all contiguous, row-major):
+ *   q, out        [num_seqs, num_kv_heads * group, head_dim]    (query head = kv head * group + g)
+ *   cache         [2, num_blocks, block_size, num_kv_heads, head_dim]   (K then V)
+ *   block_tables  int64 [num_seqs, max_blocks]
+ *   context_lens  int64 [num_seqs]   (tokens each query attends to, <= max_blocks * block_size)
+ *
+ * For each (sequence, kv head) the `group` query heads that share the kv head are done together,
+ * so each K and V row is read once: pass 1 turns every K row into `group` scores, a softmax
+ * turns the scores into probabilities, pass 2 adds every V row weighted by them.
+ *
+ * Rows are vectors of 16 floats (GCC vector extensions: the compiler maps them onto AVX-512,
+ * AVX2 or SSE, whatever -march=native offers). head_dim must be a multiple of 16 up to 256 (64
+ * and 128 get their own unrolled copies) and group at most MAX_GROUP; the caller checks that, the shapes and the block
+ * ids (paged_attention.py), and the kernel trusts them. Returns 0, or -1 when its score buffer
+ * cannot be allocated. A sequence with context 0 gets zeros.
+ *
+ * Built by loader.py with the host's C compiler, without -ffast-math or -fassociative-math: the
+ * first flushes denormals for the whole process, the second may fold vexp's rounding trick.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define LANES 16
+#define MAX_CHUNKS 16 /* head_dim 256 */
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vu32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vu16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE vf splat(float x) { return (vf){0} + x; }
+
+ALWAYS_INLINE vf as_vf(vi x) {
+    vf v;
+    memcpy(&v, &x, sizeof v);
+    return v;
+}
+
+ALWAYS_INLINE vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+ALWAYS_INLINE vf load_bf16(const uint16_t *p) {
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    vu32 w = __builtin_convertvector(h, vu32) << 16; /* a bfloat16 is the top half of a float32 */
+    vf v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+/* Sum of the 16 lanes as a tree (halves added), not a chain of 16 dependent adds. */
+ALWAYS_INLINE float hsum(vf v) {
+    vf8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    lo += hi;
+    vf4 a, b;
+    memcpy(&a, &lo, sizeof a);
+    memcpy(&b, (const char *)&lo + sizeof a, sizeof b);
+    a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* e^x for x <= 0 (scores minus their maximum); below -87.3 (where e^x leaves float32's normal
+ * range) it gives 0. x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' expf polynomial (about
+ * 1 ulp, as the vectorized exp of torch's own CPU attention), times 2^n built in the exponent. */
+ALWAYS_INLINE vf vexp(vf x) {
+    const vi under = x < splat(-87.3f);
+    x = as_vf((vi)x & ~under) + as_vf((vi)splat(-87.3f) & under); /* no NaN/inf from clamped lanes */
+    const vf n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
+    vf r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.0f);
+    const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+    return as_vf((vi)(p * as_vf(scale)) & ~under);
+}
+
+/* Each row of scores (group rows of `context`, padded to whole vectors) becomes softmax. */
+static void softmax_rows(float *scores, int64_t group, int64_t context, int64_t padded) {
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * padded;
+        float max = s[0];
+        for (int64_t t = 1; t < context; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = context; t < padded; t++) s[t] = max - 100.0f; /* e^-100: 0 */
+        vf sum = {0};
+        for (int64_t t = 0; t < padded; t += LANES) {
+            vf e = vexp(load_f32(s + t) - splat(max));
+            memcpy(s + t, &e, sizeof e);
+            sum += e;
+        }
+        const vf inv = splat(1.0f / hsum(sum));
+        for (int64_t t = 0; t < padded; t += LANES) {
+            vf p = load_f32(s + t) * inv;
+            memcpy(s + t, &p, sizeof p);
+        }
+    }
+}
+
+#define PREFETCH_BLOCKS 1 /* blocks ahead whose rows are asked for */
+
+/* Asks for the cache lines of one block's rows (K or V) ahead of their use: blocks lie anywhere
+ * in the cache, so the hardware prefetcher cannot guess the next one. Into L2 (locality 1): on
+ * the 2-core EPYC a 2k-token context read cold from memory took 245 us per layer so, 370 with
+ * prefetches into L1 (locality 3, more misses in flight than L1 takes) and 360 with none. */
+ALWAYS_INLINE void prefetch_block(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 1);
+}
+
+/* One sequence, every kv head, CH vectors per row and G query heads per kv head. q rows as
+ * vectors: qv[head * CH + c]; scores: one row of `padded` floats per query head. Writes
+ * acc[head * CH + c]. Blocks are the outer loop, so each block's rows (all heads) are read from
+ * memory once per pass and contiguously; inside a block, one kv head's G x CH query (pass 1) or
+ * accumulator (pass 2) vectors stay in registers while its rows stream by. */
+#define DEFINE_SEQ(SUFFIX, T, LOAD)                                                               \
+ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache,                \
+                                const int64_t *table, int64_t context, int64_t block_size,        \
+                                int64_t num_kv_heads, const int64_t G, const int64_t CH,          \
+                                float scale, float *scores, int64_t padded, vf *acc) {            \
+    const int64_t head_dim = CH * LANES, row_stride = num_kv_heads * head_dim;                    \
+    const int64_t block_elems = block_size * row_stride;                                          \
+    const int64_t num_blocks = (context + block_size - 1) / block_size;                           \
+    for (int64_t b = 0; b < num_blocks; b++) {                                                    \
+        const int64_t start = b * block_size;                                                     \
+        const int64_t n = context - start < block_size ? context - start : block_size;           \
+        const T *rows = k_cache + table[b] * block_elems;                                         \
+        if (b + PREFETCH_BLOCKS < num_blocks)                                                     \
+            prefetch_block(k_cache + table[b + PREFETCH_BLOCKS] * block_elems, block_elems * (int64_t)sizeof(T)); \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                              \
+            vf qh[MAX_GROUP * MAX_CHUNKS];                                                        \
+            for (int64_t i = 0; i < G * CH; i++) qh[i] = qv[h * G * CH + i];                      \
+            float *sh = scores + h * G * padded + start;                                          \
+            for (int64_t o = 0; o < n; o++) {                                                     \
+                vf row[MAX_CHUNKS];                                                               \
+                for (int64_t c = 0; c < CH; c++) row[c] = LOAD(rows + o * row_stride + h * head_dim + c * LANES); \
+                for (int64_t g = 0; g < G; g++) {                                                 \
+                    vf dot = qh[g * CH] * row[0];                                                 \
+                    for (int64_t c = 1; c < CH; c++) dot += qh[g * CH + c] * row[c];              \
+                    sh[g * padded + o] = hsum(dot) * scale;                                       \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    softmax_rows(scores, num_kv_heads * G, context, padded);                                      \
+    for (int64_t i = 0; i < num_kv_heads * G * CH; i++) acc[i] = (vf){0};                        \
+    for (int64_t b = 0; b < num_blocks; b++) {                                                    \
+        const int64_t start = b * block_size;                                                     \
+        const int64_t n = context - start < block_size ? context - start : block_size;           \
+        const T *rows = v_cache + table[b] * block_elems;                                         \
+        if (b + PREFETCH_BLOCKS < num_blocks)                                                     \
+            prefetch_block(v_cache + table[b + PREFETCH_BLOCKS] * block_elems, block_elems * (int64_t)sizeof(T)); \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                              \
+            vf ah[MAX_GROUP * MAX_CHUNKS];                                                        \
+            for (int64_t i = 0; i < G * CH; i++) ah[i] = acc[h * G * CH + i];                     \
+            const float *sh = scores + h * G * padded + start;                                    \
+            for (int64_t o = 0; o < n; o++) {                                                     \
+                vf row[MAX_CHUNKS];                                                               \
+                for (int64_t c = 0; c < CH; c++) row[c] = LOAD(rows + o * row_stride + h * head_dim + c * LANES); \
+                for (int64_t g = 0; g < G; g++) {                                                 \
+                    const vf p = splat(sh[g * padded + o]);                                       \
+                    for (int64_t c = 0; c < CH; c++) ah[g * CH + c] += p * row[c];                \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t i = 0; i < G * CH; i++) acc[h * G * CH + i] = ah[i];                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+ALWAYS_INLINE void store_f32(float *dst, const vf *src, int64_t n) { memcpy(dst, src, (size_t)n * sizeof(float)); }
+
+ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(v.u >> 16);
+}
+
+ALWAYS_INLINE void store_bf16(uint16_t *dst, const vf *src, int64_t n) {
+    const float *f = (const float *)src;
+    for (int64_t d = 0; d < n; d++) dst[d] = f32_to_bf16(f[d]);
+}
+
+/* A copy of seq_ with head_dim / 16 and the group size fixed, so its loops unroll and its
+ * vectors stay in registers: the shapes of common models (SmolLM2: 64 and 3, Llama 3 8B: 128
+ * and 4, Llama 3 70B: 128 and 8). */
+#define SEQ_CASE(SUFFIX, CH, G)                                                                   \
+    case CH * 100 + G:                                                                            \
+        seq_##SUFFIX(qv, cache, v_cache, table, context, block_size, num_kv_heads, G, CH, scale,  \
+                     scores, pad, acc);                                                           \
+        break;
+
+#define DEFINE_KERNEL(SUFFIX, T, LOAD, STORE)                                                     \
+DEFINE_SEQ(SUFFIX, T, LOAD)                                                                       \
+int paged_decode_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *block_tables,       \
+                          const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks,      \
+                          int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,           \
+                          int64_t group, int64_t head_dim, float scale) {                         \
+    int64_t max_context = 1;                                                                      \
+    for (int64_t s = 0; s < num_seqs; s++)                                                        \
+        if (context_lens[s] > max_context) max_context = context_lens[s];                         \
+    const int64_t num_heads = num_kv_heads * group;                                              \
+    const int64_t padded = (max_context + LANES - 1) / LANES * LANES;                             \
+    float *scores = aligned_alloc(64, (size_t)(num_heads * padded) * sizeof(float));             \
+    vf *qv = aligned_alloc(64, (size_t)(num_heads * head_dim) * sizeof(float));                  \
+    vf *acc = aligned_alloc(64, (size_t)(num_heads * head_dim) * sizeof(float));                 \
+    if (scores == NULL || qv == NULL || acc == NULL) {                                            \
+        free(scores), free(qv), free(acc);                                                        \
+        return -1;                                                                                \
+    }                                                                                             \
+    const int64_t chunks = head_dim / LANES;                                                      \
+    const T *v_cache = cache + num_blocks * block_size * num_kv_heads * head_dim;                 \
+    for (int64_t s = 0; s < num_seqs; s++) {                                                      \
+        const int64_t context = context_lens[s];                                                  \
+        const int64_t pad = (context + LANES - 1) / LANES * LANES;                                \
+        const int64_t first = s * num_heads * head_dim;                                          \
+        const int64_t *table = block_tables + s * max_blocks;                                     \
+        if (context <= 0) {                                                                       \
+            for (int64_t i = 0; i < num_heads * chunks; i++) acc[i] = (vf){0};                   \
+        } else {                                                                                  \
+            for (int64_t i = 0; i < num_heads * chunks; i++) qv[i] = LOAD(q + first + i * LANES); \
+            switch (chunks * 100 + group) {                                                       \
+            SEQ_CASE(SUFFIX, 4, 1) SEQ_CASE(SUFFIX, 4, 2) SEQ_CASE(SUFFIX, 4, 3)                  \
+            SEQ_CASE(SUFFIX, 4, 4) SEQ_CASE(SUFFIX, 4, 8)                                         \
+            SEQ_CASE(SUFFIX, 8, 1) SEQ_CASE(SUFFIX, 8, 2) SEQ_CASE(SUFFIX, 8, 4)                  \
+            SEQ_CASE(SUFFIX, 8, 8)                                                                \
+            default: /* other shapes: the same code, not unrolled */                              \
+                seq_##SUFFIX(qv, cache, v_cache, table, context, block_size, num_kv_heads, group, \
+                             chunks, scale, scores, pad, acc);                                    \
+            }                                                                                     \
+        }                                                                                         \
+        STORE(out + first, acc, num_heads * head_dim);                                            \
+    }                                                                                             \
+    free(scores), free(qv), free(acc);                                                            \
+    return 0;                                                                                     \
+}
+
+DEFINE_KERNEL(f32, float, load_f32, store_f32)
+DEFINE_KERNEL(bf16, uint16_t, load_bf16, store_bf16)
