@@ -20,6 +20,8 @@ LANES = 16
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
 """Most query heads per kv head (paged_decode.c's MAX_GROUP)."""
+MAX_HEADS = 1024
+"""Most query heads (paged_decode.c's MAX_HEADS)."""
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
@@ -36,6 +38,8 @@ def unsupported(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_k
         return f"head_dim {head_dim} (it takes multiples of {LANES} up to {MAX_HEAD_DIM})"
     if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         return f"{num_heads} query heads over {num_kv_heads} kv heads (at most {MAX_GROUP} per kv head)"
+    if num_heads > MAX_HEADS:
+        return f"{num_heads} query heads (at most {MAX_HEADS})"
     return None
 
 

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #define MAX_GROUP 16
+#define MAX_HEADS 1024 /* query heads per sequence */
 #define LANES 16
 #define MAX_CHUNKS 16 /* head_dim 256 */
 
@@ -94,24 +95,35 @@ ALWAYS_INLINE vf vexp(vf x) {
     return as_vf((vi)(p * as_vf(scale)) & ~under);
 }
 
-/* Each row of scores (group rows of `context`, padded to whole vectors) becomes softmax. */
-static void softmax_rows(float *scores, int64_t group, int64_t context, int64_t padded) {
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * padded;
+/* The float32 values of x rounded to bfloat16's precision (nearest, ties to even). */
+ALWAYS_INLINE vf round_to_bf16(vf x) {
+    vu32 u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* Each row of scores (rows of `context`, padded to whole vectors) becomes e^(s - max) and
+ * inv_sums[row] 1 / the row's sum, so pass 2 sums unnormalized weights and scales once at the
+ * end. With round_weights (the bfloat16 kernel) the weights pass 2 uses are rounded to
+ * bfloat16, as torch's CPU SDPA (and so HF's bfloat16 attention) rounds them before its
+ * weights x V product; the sum stays the float32 one, as there. */
+static void softmax_rows(float *scores, int64_t rows, int64_t context, int64_t padded, int round_weights,
+                         float *inv_sums) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * padded;
         float max = s[0];
         for (int64_t t = 1; t < context; t++) max = s[t] > max ? s[t] : max;
         for (int64_t t = context; t < padded; t++) s[t] = max - 100.0f; /* e^-100: 0 */
         vf sum = {0};
         for (int64_t t = 0; t < padded; t += LANES) {
             vf e = vexp(load_f32(s + t) - splat(max));
-            memcpy(s + t, &e, sizeof e);
             sum += e;
+            if (round_weights) e = round_to_bf16(e);
+            memcpy(s + t, &e, sizeof e);
         }
-        const vf inv = splat(1.0f / hsum(sum));
-        for (int64_t t = 0; t < padded; t += LANES) {
-            vf p = load_f32(s + t) * inv;
-            memcpy(s + t, &p, sizeof p);
-        }
+        inv_sums[r] = 1.0f / hsum(sum);
     }
 }
 
@@ -130,11 +142,12 @@ ALWAYS_INLINE void prefetch_block(const void *p, int64_t bytes) {
  * acc[head * CH + c]. Blocks are the outer loop, so each block's rows (all heads) are read from
  * memory once per pass and contiguously; inside a block, one kv head's G x CH query (pass 1) or
  * accumulator (pass 2) vectors stay in registers while its rows stream by. */
-#define DEFINE_SEQ(SUFFIX, T, LOAD)                                                               \
+#define DEFINE_SEQ(SUFFIX, T, LOAD, ROUND_WEIGHTS)                                                \
 ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache,                \
                                 const int64_t *table, int64_t context, int64_t block_size,        \
                                 int64_t num_kv_heads, const int64_t G, const int64_t CH,          \
                                 float scale, float *scores, int64_t padded, vf *acc) {            \
+    float inv_sums[MAX_HEADS];                                                                    \
     const int64_t head_dim = CH * LANES, row_stride = num_kv_heads * head_dim;                    \
     const int64_t block_elems = block_size * row_stride;                                          \
     const int64_t num_blocks = (context + block_size - 1) / block_size;                           \
@@ -159,7 +172,7 @@ ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    softmax_rows(scores, num_kv_heads * G, context, padded);                                      \
+    softmax_rows(scores, num_kv_heads * G, context, padded, ROUND_WEIGHTS, inv_sums);             \
     for (int64_t i = 0; i < num_kv_heads * G * CH; i++) acc[i] = (vf){0};                        \
     for (int64_t b = 0; b < num_blocks; b++) {                                                    \
         const int64_t start = b * block_size;                                                     \
@@ -182,6 +195,8 @@ ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache
             for (int64_t i = 0; i < G * CH; i++) acc[h * G * CH + i] = ah[i];                     \
         }                                                                                         \
     }                                                                                             \
+    for (int64_t r = 0; r < num_kv_heads * G; r++)                                                \
+        for (int64_t c = 0; c < CH; c++) acc[r * CH + c] *= splat(inv_sums[r]);                   \
 }
 
 ALWAYS_INLINE void store_f32(float *dst, const vf *src, int64_t n) { memcpy(dst, src, (size_t)n * sizeof(float)); }
@@ -208,8 +223,8 @@ ALWAYS_INLINE void store_bf16(uint16_t *dst, const vf *src, int64_t n) {
                      scores, pad, acc);                                                           \
         break;
 
-#define DEFINE_KERNEL(SUFFIX, T, LOAD, STORE)                                                     \
-DEFINE_SEQ(SUFFIX, T, LOAD)                                                                       \
+#define DEFINE_KERNEL(SUFFIX, T, LOAD, STORE, ROUND_WEIGHTS)                                      \
+DEFINE_SEQ(SUFFIX, T, LOAD, ROUND_WEIGHTS)                                                        \
 int paged_decode_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *block_tables,       \
                           const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks,      \
                           int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,           \
@@ -253,5 +268,5 @@ int paged_decode_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *blo
     return 0;                                                                                     \
 }
 
-DEFINE_KERNEL(f32, float, load_f32, store_f32)
-DEFINE_KERNEL(bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_KERNEL(f32, float, load_f32, store_f32, 0)
+DEFINE_KERNEL(bf16, uint16_t, load_bf16, store_bf16, 1)

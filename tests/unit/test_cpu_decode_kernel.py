@@ -130,6 +130,7 @@ def test_unsupported_names_the_reason():
     assert "head_dim 72" in unsupported(torch.float32, torch.float32, 9, 3, 72)
     assert "head_dim 512" in unsupported(torch.float32, torch.float32, 9, 3, 512)
     assert "at most 16" in unsupported(torch.float32, torch.float32, 64, 2, 64)
+    assert "at most 1024" in unsupported(torch.float32, torch.float32, 2048, 128, 64)
 
 
 def test_the_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
