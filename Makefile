@@ -48,6 +48,7 @@ proto: install
 # the ratios are measured side by side in one run, but 2 busy cores distort any timing.
 bench: install
 	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/cpu_attention.py
 	$(BIN)/python benchmarks/transfer_bandwidth.py
 	$(BIN)/python benchmarks/prefix_routing.py
 	$(BIN)/python benchmarks/disagg_vs_colocated.py

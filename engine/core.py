@@ -160,12 +160,13 @@ class EngineCore:
             return None
         spec = self.spec
         reason = unsupported(self.dtype, kv_dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        kernel = None
-        if reason is None:
-            started = time.monotonic()
-            kernel, reason = load_decode_kernel()
-        if kernel is None:
-            logger.warning("CPU decode attention: torch SDPA (the C kernel does not serve this engine: %s)", reason)
+        if reason is not None:
+            logger.info("CPU decode attention: torch SDPA (the C kernel does not take %s)", reason)
+            return None
+        started = time.monotonic()
+        kernel, reason = load_decode_kernel()
+        if kernel is None:  # slower, not wrong: say so louder
+            logger.warning("CPU decode attention: torch SDPA, the C kernel is not available: %s", reason)
             return None
         logger.info("CPU decode attention: C kernel %s (ready in %.1f s)", kernel.path, time.monotonic() - started)
         return kernel

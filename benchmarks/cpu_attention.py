@@ -1,0 +1,140 @@
+"""CPU decode attention: the C kernel (engine/cpu_kernels) against the torch path it replaced
+(gather the context's blocks, then SDPA), side by side in one run.
+
+    .venv/bin/python benchmarks/cpu_attention.py [--quick] [--no-results]
+
+Two parts, both on one torch thread (a decode worker's setting under load on this machine):
+
+- kernel: one layer's decode attention in the default model's shape (9 query heads, 3 KV
+  heads, head_dim 64, 16-token blocks), per context length and batch, in bfloat16. The caches
+  of LAYERS layers are allocated at a served worker's size, the blocks of each sequence are
+  drawn at random, and the layers are called in turn, so every call reads its K and V from
+  memory as a decode step does, not from a warm cache. us per layer call, median of --repeat.
+- engine: an EngineCore of the default model (bfloat16), the same decode batch stepped with the
+  kernel and with the torch path: the median decode step of each mix of 2k-token and
+  128-token prompts, 40 new tokens each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+import torch  # noqa: E402
+
+from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
+
+LAYERS = 30
+BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
+CACHE_BLOCKS = 1456
+"""Blocks per layer of a worker at --kv-cache-memory 512MiB with the default model."""
+
+
+def kernel_rows(contexts: list[int], batches: list[int], repeat: int) -> list[list[object]]:
+    from engine.cpu_kernels import load_decode_kernel
+    from engine.model.attention import AttentionMetadata, DecodeGroup, paged_attention
+
+    kernel, reason = load_decode_kernel()
+    if kernel is None:
+        raise SystemExit(f"no C kernel here: {reason}")
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, CACHE_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+              for _ in range(LAYERS)]
+    scale = HEAD_DIM ** -0.5
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            max_blocks = -(-context // BLOCK_SIZE)
+            tables = torch.stack([torch.randperm(CACHE_BLOCKS, generator=gen)[:max_blocks] for _ in range(batch)])
+            lens = torch.full((batch,), context, dtype=torch.int64)
+            pos = torch.arange(max_blocks * BLOCK_SIZE)
+            mask = None if context == max_blocks * BLOCK_SIZE else (pos[None, :] < lens[:, None])[:, None, None, :]
+            group = DecodeGroup(torch.arange(batch), tables, lens, mask)
+            q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+            slots = torch.zeros(batch, dtype=torch.int64)
+            metas = {"torch": AttentionMetadata(slots, (group,), ()),
+                     "kernel": AttentionMetadata(slots, (group,), (), kernel)}
+            times: dict[str, list[float]] = {name: [] for name in metas}
+            for r in range(repeat + 1):  # the first round warms up
+                for name, meta in metas.items():
+                    start = time.perf_counter()
+                    for cache in caches:
+                        paged_attention(q, cache, meta, scale)
+                    if r:
+                        times[name].append((time.perf_counter() - start) / LAYERS * 1e6)
+            t, k = statistics.median(times["torch"]), statistics.median(times["kernel"])
+            rows.append([context, batch, f"{t:.0f}", f"{k:.0f}", f"{k / t:.2f}x"])
+    return rows
+
+
+def engine_rows(mixes: list[tuple[int, int]], long_len: int, new_tokens: int) -> list[list[object]]:
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    medians: dict[tuple[int, int], dict[bool, float]] = {mix: {} for mix in mixes}
+    for on in (True, False):
+        engine = LLMEngine(EngineConfig.from_kwargs(
+            dtype="bfloat16", max_model_len=max(4096, long_len + new_tokens + 16), num_threads=1,
+            kv_cache_memory=1 << 30, cpu_attention_kernel=on, enable_prefix_caching=False))
+        rng = random.Random(0)
+        for n, (longs, shorts) in enumerate(mixes):
+            prompts = ([[rng.randrange(100, 40000) for _ in range(long_len)] for _ in range(longs)]
+                       + [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(shorts)])
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{on}-{n}-{i}", prompt, params)
+            steps = []
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = engine.step()
+                seconds = time.perf_counter() - start
+                if len(outputs) == len(prompts) and all(len(o.token_ids) > 1 for o in outputs):
+                    steps.append(seconds)  # a decode step of the whole batch
+            medians[(longs, shorts)][on] = statistics.median(steps) * 1e3 if steps else float("nan")
+    return [[f"{longs} x {long_len} + {shorts} x 128", f"{m[False]:.1f}", f"{m[True]:.1f}", f"{m[True] / m[False]:.2f}x"]
+            for (longs, shorts), m in medians.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.quick:
+        contexts, batches, repeat, mixes, long_len, new_tokens = [64, 300], [1, 4], 1, [(1, 1)], 256, 4
+    else:
+        contexts, batches, repeat = [128, 512, 2048], [1, 8], args.repeat
+        mixes, long_len, new_tokens = [(0, 5), (1, 4), (3, 4)], 2000, 40
+    k_headers = ["context", "batch", "torch path us/layer", "C kernel us/layer", "kernel / torch"]
+    k_rows = kernel_rows(contexts, batches, repeat)
+    print(text_table(k_headers, k_rows), flush=True)
+    e_headers = ["decode batch", "torch path step ms", "C kernel step ms", "kernel / torch"]
+    e_rows = engine_rows(mixes, long_len, new_tokens)
+    print(text_table(e_headers, e_rows))
+    if args.quick or args.no_results:
+        return
+    body = "\n".join([
+        markdown_table(k_headers, k_rows), "", markdown_table(e_headers, e_rows), "", "Method:", "",
+        f"- kernel: one layer of decode attention in bfloat16 in the default model's shape ({NUM_HEADS} query heads, "
+        f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of {BLOCK_SIZE}); {LAYERS} layers' caches of "
+        f"{CACHE_BLOCKS} blocks each (a worker at --kv-cache-memory 512MiB), each sequence's blocks drawn at random, "
+        f"the layers called in turn so K and V come from memory; 1 torch thread; median of {repeat} rounds",
+        "- torch path: the context's blocks gathered with index_select, then SDPA with the query heads of a KV head "
+        "folded into its query axis (engine.model.attention._decode_group)",
+        f"- engine: EngineCore of the default model in bfloat16, 1 thread, random prompts, {new_tokens} new tokens "
+        "each, all added at once; median of the steps in which every request decodes",
+    ])
+    print("appended to", append_results("cpu_attention (C decode kernel vs torch path)", body))
+
+
+if __name__ == "__main__":
+    main()
