@@ -62,16 +62,20 @@ def test_cpu_example_workers_get_a_small_kv_budget_and_their_own_threads(helm):
         assert container(objects, role)["args"][container(objects, role)["args"].index("--kv-cache-memory") + 1] == "256MiB"
 
 
-def test_engine_scheduling_quantization_and_thread_keys_reach_the_worker_spec(helm):
+def test_engine_scheduling_quantization_thread_and_cpu_kernel_keys_reach_the_worker_spec(helm):
     objects = render(helm, sets=("engine.quantization=gguf", "engine.decodeThreads=2", "engine.engineNice=5",
                                  "prefill.engine.longPrefillTokenThreshold=512",
-                                 "engine.maxLongPartialPrefills=2"))
+                                 "engine.maxLongPartialPrefills=2", "decode.engine.cpuAttentionKernel=false",
+                                 "engine.cpuPackedWeights=false"))
     prefill = WorkerSpec.from_args(_parse(container(objects, "prefill")["args"])).engine
     decode = WorkerSpec.from_args(_parse(container(objects, "decode")["args"])).engine
     assert (prefill.quantization, prefill.decode_threads, prefill.long_prefill_token_threshold,
             prefill.max_long_partial_prefills) == ("gguf", 2, 512, 2)
     assert (decode.long_prefill_token_threshold, decode.max_long_partial_prefills) == (None, 2)  # role default
     assert prefill.engine_nice == decode.engine_nice == 5
+    assert (prefill.cpu_attention_kernel, decode.cpu_attention_kernel) == (True, False)
+    assert "--no-cpu-attention-kernel" in container(objects, "decode")["args"]
+    assert prefill.cpu_packed_weights is decode.cpu_packed_weights is False
 
 
 def test_router_workers_value_reaches_the_router_spec_only_when_more_than_one(helm):
