@@ -141,6 +141,20 @@ ALWAYS_INLINE void prefetch_block(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 1);
 }
 
+/* Rows of the block starting at token `start` that a context of `context` tokens uses. */
+ALWAYS_INLINE int64_t rows_used(int64_t context, int64_t start, int64_t block_size) {
+    return context - start < block_size ? context - start : block_size;
+}
+
+/* Block b's rows on one side (K or V) of the cache, after asking for the rows of the block
+ * PREFETCH_BLOCKS ahead of it. */
+ALWAYS_INLINE const void *block_rows(const void *side, const int64_t *table, int64_t b, int64_t num_blocks,
+                                     int64_t block_bytes) {
+    const char *base = side;
+    if (b + PREFETCH_BLOCKS < num_blocks) prefetch_block(base + table[b + PREFETCH_BLOCKS] * block_bytes, block_bytes);
+    return base + table[b] * block_bytes;
+}
+
 /* One sequence, every kv head, CH vectors per row and G query heads per kv head. q rows as
  * vectors: qv[head * CH + c]; scores: one row of `padded` floats per query head. Writes
  * acc[head * CH + c]. Blocks are the outer loop, so each block's rows (all heads) are read from
@@ -156,11 +170,8 @@ ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache
     const int64_t block_elems = block_size * row_stride;                                          \
     const int64_t num_blocks = (context + block_size - 1) / block_size;                           \
     for (int64_t b = 0; b < num_blocks; b++) {                                                    \
-        const int64_t start = b * block_size;                                                     \
-        const int64_t n = context - start < block_size ? context - start : block_size;           \
-        const T *rows = k_cache + table[b] * block_elems;                                         \
-        if (b + PREFETCH_BLOCKS < num_blocks)                                                     \
-            prefetch_block(k_cache + table[b + PREFETCH_BLOCKS] * block_elems, block_elems * (int64_t)sizeof(T)); \
+        const int64_t start = b * block_size, n = rows_used(context, start, block_size);          \
+        const T *rows = block_rows(k_cache, table, b, num_blocks, block_elems * (int64_t)sizeof(T)); \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                              \
             vf qh[MAX_GROUP * MAX_CHUNKS];                                                        \
             for (int64_t i = 0; i < G * CH; i++) qh[i] = qv[h * G * CH + i];                      \
@@ -179,11 +190,8 @@ ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache
     softmax_rows(scores, num_kv_heads * G, context, padded, ROUND_WEIGHTS, inv_sums);             \
     for (int64_t i = 0; i < num_kv_heads * G * CH; i++) acc[i] = (vf){0};                        \
     for (int64_t b = 0; b < num_blocks; b++) {                                                    \
-        const int64_t start = b * block_size;                                                     \
-        const int64_t n = context - start < block_size ? context - start : block_size;           \
-        const T *rows = v_cache + table[b] * block_elems;                                         \
-        if (b + PREFETCH_BLOCKS < num_blocks)                                                     \
-            prefetch_block(v_cache + table[b + PREFETCH_BLOCKS] * block_elems, block_elems * (int64_t)sizeof(T)); \
+        const int64_t start = b * block_size, n = rows_used(context, start, block_size);          \
+        const T *rows = block_rows(v_cache, table, b, num_blocks, block_elems * (int64_t)sizeof(T)); \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                              \
             vf ah[MAX_GROUP * MAX_CHUNKS];                                                        \
             for (int64_t i = 0; i < G * CH; i++) ah[i] = acc[h * G * CH + i];                     \
