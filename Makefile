@@ -49,6 +49,7 @@ proto: install
 bench: install
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/cpu_attention.py
+	$(BIN)/python benchmarks/int4_linear.py
 	$(BIN)/python benchmarks/transfer_bandwidth.py
 	$(BIN)/python benchmarks/prefix_routing.py
 	$(BIN)/python benchmarks/disagg_vs_colocated.py

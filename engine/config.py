@@ -96,11 +96,17 @@ class EngineConfig:
     """On CPU, decode attention runs in this project's C kernel (engine.cpu_kernels, built with
     the host's C compiler at start; it reads K/V in place from the cache blocks), for float32
     and bfloat16 caches. False, or no compiler: torch's SDPA over a copy of the blocks."""
+    cpu_int4_kernel: bool = True
+    """On CPU, int4 linears (--quantization int4 or gguf) run in this project's C kernel
+    (engine.cpu_kernels.int4_matmul: GGUF Q4 blocks as they are, bfloat16 dot products; needs a
+    C compiler and AVX512-BF16). False, or neither: torch's int4 kernel."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
-    auto and none: dense in `dtype` (a GGUF is dequantized; measured faster than torch's int4 CPU
-    kernel when served, engine/loader/quant_choice.py). gguf: keep a GGUF's Q4_0/Q4_1 (int4) and
-    Q8_0 (int8) blocks as they are. int4 / int8: quantize every linear at load. Quantized
+    auto: on CPU in bfloat16, a GGUF whose linears are all Q4_0/Q4_1 keeps its blocks (as gguf)
+    when the C int4 kernel loads (cpu_int4_kernel): it computes with the same bfloat16 weights
+    the dense load would hold, reading a quarter of the bytes; otherwise dense in `dtype`
+    (engine/loader/quant_choice.py says why). none: dense. gguf: keep a GGUF's Q4_0/Q4_1 (int4)
+    and Q8_0 (int8) blocks as they are. int4 / int8: quantize every linear at load. Quantized
     linears compute in bfloat16 (q|k|v and gate|up fused, one linear each). Embeddings stay
     dense; the lm_head is int4 only beside int4 linears from a Q4 GGUF head, else dense
     (engine/loader/quant_choice.lm_head_quantization says why)."""

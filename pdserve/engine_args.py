@@ -78,6 +78,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-attention-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run decode attention in pdserve's C kernel, built at start with the host's "
                         "C compiler (default; without a compiler: torch's SDPA)")
+    g.add_argument("--cpu-int4-kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU, run int4 linears (--quantization int4/gguf) in pdserve's C kernel, built at "
+                        "start (default; needs AVX512-BF16, else torch's int4 kernel)")
     add_config_arg(g)
 
 

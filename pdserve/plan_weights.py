@@ -79,11 +79,19 @@ def per_device_spec(spec: ModelSpec, placement: WeightsPlacement) -> ModelSpec:
 def planned_quantization(config: EngineConfig, path: Path, device_type: str, dtype: str) -> tuple[str, str]:
     """(none|int8|int4, why): a worker's resolution (engine.loader.quant_choice) without torch.
     Plan counts int4/int8 on any device it is asked about (a worker has the kernels on CPU only)."""
-    from engine.loader.quant_choice import bytes_method, resolve_quantization
+    from engine.loader.quant_choice import auto_keeps_q4, bytes_method, resolve_quantization
 
     if config.quantization in ("int4", "int8", "none"):
         return config.quantization, f"--quantization {config.quantization}"
     if config.quantization == "auto":
+        if config.cpu_int4_kernel and auto_keeps_q4(path, device_type, dtype):
+            from engine.cpu_kernels.loader import int4_kernel_host
+
+            reason = int4_kernel_host()
+            if reason is None:
+                return "int4", ("--quantization auto: the GGUF's Q4 linears kept (int4), run by the C int4 "
+                                "kernel as a worker on this host builds it")
+            return "none", f"--quantization auto: dense {dtype}, no C int4 kernel here ({reason})"
         return "none", f"--quantization auto: dense {dtype} (--quantization gguf keeps a GGUF's Q4/Q8 linears)"
     method = resolve_quantization("gguf", path, "cpu", True, dtype)  # raises for a file without Q4/Q8 linears
     counted = bytes_method(method, path)

@@ -25,13 +25,32 @@ from pathlib import Path
 from engine.loader.weights_cache import default_cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCE = "paged_decode.c"
 CFLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
     "-fPIC", "-shared", "-std=gnu11",
 )
 BUILD_TIMEOUT_S = 120.0
-"""Longest a compiler run may take (a build takes about a second)."""
+"""Longest a compiler run may take (a build takes a few seconds)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One C file of this package and the flags it needs beyond CFLAGS."""
+
+    file: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return KERNEL_DIR / self.file
+
+
+PAGED_DECODE = Source("paged_decode.c")
+INT4_LINEAR = Source("int4_linear.c", ("-fopenmp",))
+"""-fopenmp: its parallel loops run on the calling thread's OpenMP team. The library asks for
+libgomp.so.1 by that name, so in a process where torch has loaded its own libgomp the dynamic
+linker hands it that one, and both share one pool of threads (no second pool spinning on the
+same cores)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,16 @@ def compiler() -> str | None:
     return None
 
 
+def int4_kernel_host() -> str | None:
+    """Why a worker on this host could not build and run the int4 kernel, or None when it could
+    (a compiler, and AVX512-BF16 in the CPU's flags): what `pdserve plan` predicts by."""
+    if compiler() is None:
+        return "no C compiler"
+    if "avx512_bf16" not in _cpu_flags().split():
+        return "the CPU has no AVX512-BF16"
+    return None
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -75,18 +104,19 @@ def _compiler_version(cc: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cc
 
 
-def library_name(source_text: str, cc: str) -> str:
-    key = "\n".join((source_text, " ".join(CFLAGS), _compiler_version(cc), platform.machine(), _cpu_flags()))
-    return f"{Path(SOURCE).stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+def library_name(source_text: str, cc: str, source: Source = PAGED_DECODE) -> str:
+    flags = " ".join((*CFLAGS, *source.flags))
+    key = "\n".join((source_text, flags, _compiler_version(cc), platform.machine(), _cpu_flags()))
+    return f"{Path(source.file).stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
-def build(target: Path, cc: str) -> None:
-    """Compile SOURCE into `target` (atomically). Raises RuntimeError with the compiler's output."""
+def build(target: Path, cc: str, source: Source = PAGED_DECODE) -> None:
+    """Compile `source` into `target` (atomically). Raises RuntimeError with the compiler's output."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        out = subprocess.run([cc, *CFLAGS, "-o", tmp, str(KERNEL_DIR / SOURCE)],
+        out = subprocess.run([cc, *CFLAGS, *source.flags, "-o", tmp, str(source.path)],
                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"{cc} exited {out.returncode}: {(out.stderr or out.stdout).strip()[-2000:]}")
@@ -99,26 +129,25 @@ def build(target: Path, cc: str) -> None:
 
 
 _lock = threading.Lock()
-_loaded: Loaded | None = None
+_loaded: dict[Source, Loaded] = {}
 
 
-def load() -> Loaded:
-    """The kernel library, built on first use; the same answer for the rest of the process."""
-    global _loaded
+def load(source: Source = PAGED_DECODE) -> Loaded:
+    """The library of `source`, built on first use; the same answer for the rest of the process."""
     with _lock:
-        if _loaded is None:
-            _loaded = _load()
-        return _loaded
+        if source not in _loaded:
+            _loaded[source] = _load(source)
+        return _loaded[source]
 
 
-def _load() -> Loaded:
+def _load(source: Source = PAGED_DECODE) -> Loaded:
     cc = compiler()
     if cc is None:
         return Loaded(None, None, "no C compiler (cc, gcc or clang; or $CC) on PATH")
     try:
-        target = cache_dir() / library_name((KERNEL_DIR / SOURCE).read_text(), cc)
+        target = cache_dir() / library_name(source.path.read_text(), cc, source)
         if not target.exists():
-            build(target, cc)
+            build(target, cc, source)
         return Loaded(ctypes.CDLL(str(target)), target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return Loaded(None, None, f"building {SOURCE} failed: {e}")
+        return Loaded(None, None, f"building {source.file} failed: {e}")

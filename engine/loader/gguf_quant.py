@@ -8,9 +8,11 @@ Where each GGUF format lands (ggml's block layouts, 32 weights a block):
                                                          no groups): re-quantized, not exact
     other (F16/F32/K-quants)        dequantized by the `gguf` package, then quantized as asked
 
-"Exact" is the codes and the scale/zero formula; the kernel holds scales and zeros in the
-compute dtype, so with bfloat16 activations d and m + 8d are rounded to bfloat16 (8 mantissa
-bits against f16's 11). In a Q4 nibble byte, qs[j] & 15 is weight j and qs[j] >> 4 weight j + 16.
+"Exact" is the codes and the scale/zero formula. The C int4 kernel (engine.cpu_kernels.int4_matmul,
+the default on CPUs with AVX512-BF16) keeps d and m as the file's float16 bits; torch's int4
+kernel holds scales and zeros in the compute dtype, so there d and m + 8d are rounded to
+bfloat16 (8 mantissa bits against f16's 11). In a Q4 nibble byte, qs[j] & 15 is weight j and
+qs[j] >> 4 weight j + 16: the C kernel's layout as it is.
 
 Token embeddings stay dense (dequantized): the embedding is a gather. With int4 linears a Q4
 head tensor (output.weight, or token_embd.weight when tied) becomes an int4 lm_head with its

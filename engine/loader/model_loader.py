@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.cpu_kernels.int4_matmul import Int4Kernel, load_int4_kernel
 from engine.loader import weights_cache
 from engine.loader.locate import resolve_model_path
-from engine.loader.quant_choice import is_linear, resolve_quantization
+from engine.loader.quant_choice import auto_keeps_q4, is_linear, resolve_quantization
 from engine.loader.spec_reader import read_spec
 from engine.model import MODEL_FAMILIES
 from engine.model.quantized_linear import (
@@ -57,18 +58,26 @@ def load_model(
     device: torch.device,
     cache_dir: Path | None = None,
     quantization: str = "none",
+    cpu_int4_kernel: bool = True,
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with its weights, the decoder's linears quantized
-    as `quantization` (EngineConfig.quantization) resolves here. Raises on missing tensors, and
-    ValueError for int4/int8 on a device without the kernels."""
+    as `quantization` (EngineConfig.quantization) resolves here; on CPU, int4 linears run in
+    this project's C kernel when `cpu_int4_kernel` and it loads (_int4_kernel), and only then does
+    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4). Raises on missing
+    tensors, and ValueError for int4/int8 on a device without the kernels."""
     started = time.perf_counter()
     path = resolve_model_path(model)
     spec = read_spec(path)
-    method = resolve_quantization(
-        quantization, path, device.type, kernels_available(device.type), str(dtype).removeprefix("torch.")
-    )
+    dtype_name = str(dtype).removeprefix("torch.")
+    wants_kernel = cpu_int4_kernel and device.type == "cpu" and (
+        quantization in ("int4", "gguf") or (quantization == "auto" and auto_keeps_q4(path, device.type, dtype_name)))
+    kernel = _int4_kernel() if wants_kernel else None
+    method = resolve_quantization(quantization, path, device.type, kernels_available(device.type), dtype_name,
+                                  fast_int4=kernel is not None)
+    if method not in ("int4", "gguf"):
+        kernel = None
     weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method)
-    module = build_module(spec, weights, dtype, device, quantized)
+    module = build_module(spec, weights, dtype, device, quantized, kernel)
     del weights, quantized
     _return_freed_memory()
     seconds = time.perf_counter() - started
@@ -78,6 +87,18 @@ def load_model(
         method, seconds, " from the weights cache" if from_cache else "",
     )
     return LoadedModel(module, spec, path, seconds, from_cache, method)
+
+
+def _int4_kernel() -> Int4Kernel | None:
+    """The C int4 kernel, or None with the reason logged (int4 linears then use torch's kernel,
+    and --quantization auto stays dense)."""
+    kernel, reason = load_int4_kernel()
+    if kernel is None:
+        logger.warning("int4 linears: the C kernel is not available (auto stays dense; int4/gguf use torch's "
+                       "kernel): %s", reason)
+    else:
+        logger.info("int4 linears: C kernel %s", kernel.path)
+    return kernel
 
 
 def _return_freed_memory() -> None:
@@ -117,9 +138,10 @@ def _read_weights(
 
 def build_module(
     spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-    quantized: dict[str, QuantizedWeight] | None = None,
+    quantized: dict[str, QuantizedWeight] | None = None, int4_kernel: Int4Kernel | None = None,
 ) -> nn.Module:
-    """The module with dense `weights`, and the linears named in `quantized` as quantized modules."""
+    """The module with dense `weights`, and the linears named in `quantized` as quantized modules
+    (int4 ones through `int4_kernel` where given)."""
     quantized = quantized or {}
     family = MODEL_FAMILIES.get(spec.architecture)
     module = family(spec, device="meta")
@@ -134,7 +156,7 @@ def build_module(
     if missing or unexpected:
         raise ValueError(f"weights do not fit {spec.name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     module.load_state_dict(state, strict=False, assign=True)
-    install_quantized_linears(module, quantized, dtype)
+    install_quantized_linears(module, quantized, dtype, int4_kernel)
     if spec.tie_word_embeddings and "lm_head.weight" not in quantized:
         module.lm_head.weight = module.model.embed_tokens.weight
     return module.eval().requires_grad_(False)

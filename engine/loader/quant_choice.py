@@ -17,15 +17,29 @@ def is_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
-def resolve_quantization(quantization: str, path: Path, device_type: str, has_kernel: bool, dtype: str) -> str:
+def auto_keeps_q4(path: Path, device_type: str, dtype: str) -> bool:
+    """Whether --quantization auto keeps this file's linears as int4 blocks when the C int4 kernel
+    runs them (engine.cpu_kernels.int4_matmul): on CPU in bfloat16, a GGUF whose decoder linears
+    are all Q4_0/Q4_1. That kernel computes with bfloat16(q * d + m), the very values the dense
+    bfloat16 load holds for the same file, so nothing changes but the bytes read: a quarter
+    (benchmarks/RESULTS.md: short chats at batch 8 about 1.2x faster than dense, prefill-heavy
+    traffic the same). float32 stays dense, so stays exact against HF."""
+    if device_type != "cpu" or dtype != "bfloat16" or path.is_dir():
+        return False
+    types = gguf_linear_types(path)
+    return bool(types) and types <= {"Q4_0", "Q4_1"}
+
+
+def resolve_quantization(quantization: str, path: Path, device_type: str, has_kernel: bool, dtype: str,
+                         fast_int4: bool = False) -> str:
     """"none", "int4", "int8", or "gguf" (each linear keeps its GGUF type, Q4_x/Q8_0).
 
-    auto is dense (none): served through pdserve on this project's 2-core CPU, torch's int4
-    kernel beat oneDNN-packed bfloat16 only at batch 1 and lost on long and mixed traffic
-    (benchmarks/RESULTS.md, vs_llamacpp 2026-11-24: long prompts 0.92x llama.cpp with int4,
-    1.35x dense), so keeping the blocks is asked for explicitly with "gguf" (vLLM's name). Its float32 path is a reference loop, 50-100x slower, so gguf and int4/int8 compute
-    in bfloat16. gguf, int4 or int8 where no kernel exists, or gguf on a file without Q4/Q8
-    linears, raises ValueError."""
+    auto is gguf where auto_keeps_q4 and `fast_int4` (the C int4 kernel is loaded), else dense
+    (none): served through pdserve on this project's 2-core CPU, torch's own int4 kernel beat
+    oneDNN-packed bfloat16 only at batch 1 and lost on long and mixed traffic (benchmarks/RESULTS.md,
+    vs_llamacpp 2026-11-24: long prompts 0.92x llama.cpp with it, 1.35x dense). Its float32 path is
+    a reference loop, 50-100x slower, so gguf and int4/int8 compute in bfloat16. gguf, int4 or int8
+    where no kernel exists, or gguf on a file without Q4/Q8 linears, raises ValueError."""
     if quantization == "gguf":
         if not has_kernel:
             raise ValueError(f"--quantization gguf needs torch's CPU int4/int8 kernels; device {device_type!r} "
@@ -39,6 +53,8 @@ def resolve_quantization(quantization: str, path: Path, device_type: str, has_ke
             raise ValueError(f"--quantization {quantization} needs torch's CPU int4/int8 kernels; "
                              f"device {device_type!r} has none here (use --quantization none)")
         return quantization
+    if quantization == "auto" and fast_int4 and auto_keeps_q4(path, device_type, dtype):
+        return "gguf"
     return "none"
 
 

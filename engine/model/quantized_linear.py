@@ -13,6 +13,10 @@ Both run fast for bfloat16 / float16 activations; their float32 paths are refere
 (50-100x slower on this project's EPYC), so a float32 model computes these layers in bfloat16.
 Scales and zeros are stored in that compute dtype, the one rounding the GGUF mapping cannot avoid
 (engine/loader/gguf_quant.py says where each GGUF format lands).
+
+Where this project's own int4 kernel is loaded (engine.cpu_kernels.int4_matmul, on CPUs with
+AVX512-BF16), int4 weights go through it instead (KernelInt4Linear): the GGUF block's float16
+(d, m) pair is kept as it is, and batches of decode size read the weights once per call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from engine.cpu_kernels.int4_matmul import Int4Kernel, PackedInt4, pack
 
 INT4_GROUP_SIZE = 32
 """Weights per (scale, zero) group: GGUF's Q4_0/Q4_1/Q8_0 block size, so their blocks map 1:1."""
@@ -158,8 +164,34 @@ def _restore(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype) -> nn.Module:
-    return Int4Linear(weight, dtype) if isinstance(weight, Int4Weight) else Int8Linear(weight, dtype)
+class KernelInt4Linear(nn.Module):
+    """An int4 linear through this project's C kernel (engine.cpu_kernels.int4_matmul): the same
+    w = (q - 8) * scale + zero, held as GGUF Q4_1 blocks, computed in bfloat16."""
+
+    def __init__(self, weight: PackedInt4, kernel: Int4Kernel) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("dm", weight.dm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
+        return _restore(self.kernel.linear(rows, PackedInt4(self.codes, self.dm)), x)
+
+
+def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None) -> nn.Module:
+    """The module for one quantized weight: int4 through `int4_kernel` when given and the weight
+    fits it (engine.cpu_kernels.int4_matmul.pack says when not), else torch's kernels."""
+    if isinstance(weight, Int8Weight):
+        return Int8Linear(weight, dtype)
+    if int4_kernel is not None and _compute_dtype(dtype) == torch.bfloat16:
+        packed = pack(weight.codes, weight.scales, weight.zeros, weight.group_size)
+        if isinstance(packed, PackedInt4):
+            return KernelInt4Linear(packed, int4_kernel)
+    return Int4Linear(weight, dtype)
 
 
 def kernels_available(device_type: str) -> bool:
@@ -171,12 +203,14 @@ def kernels_available(device_type: str) -> bool:
     )
 
 
-def install_quantized_linears(module: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype) -> None:
+def install_quantized_linears(module: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype,
+                              int4_kernel: Int4Kernel | None = None) -> None:
     """Replace each linear named in `weights` (HF parameter names, `...q_proj.weight`) by its
-    quantized module. Mutates `module`, at load time only; raises KeyError for an unknown name."""
+    quantized module (quantized_linear). Mutates `module`, at load time only; raises KeyError for
+    an unknown name."""
     for name, weight in weights.items():
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
         parent = module.get_submodule(parent_name)
         if not isinstance(getattr(parent, child), nn.Linear):
             raise KeyError(f"{name} is not a linear of {type(module).__name__}")
-        setattr(parent, child, quantized_linear(weight, dtype))
+        setattr(parent, child, quantized_linear(weight, dtype, int4_kernel))

@@ -3,10 +3,14 @@ against llama.cpp on the same file: the 30 prompts of tests/real_model.py, 48 gr
 
 The reference is tests/fixtures/llamacpp_greedy_smollm2.json (make_llamacpp_greedy.py records it
 with llama-server). Neither side is exact: llama.cpp quantizes activations to 8 bits for its
-Q4_1 dot products, pdserve computes in bfloat16 with bfloat16 scales, so greedy paths part after
-a near-tie and stay apart. Agreement is counted as the common prefix of each prompt's tokens.
-Asserted: the first token equals llama.cpp's top-1 on all 30 prompts, and the prefix agreement
-stays above the floor measured when this test was written (MEASURED_FLOOR).
+Q4_1 dot products; pdserve's C int4 kernel multiplies bfloat16 activations by each weight
+q * d + m rounded to bfloat16 (the values of the dense bfloat16 load), torch's int4 kernel keeps
+weights in float32 from bfloat16 scales. So greedy paths part after a near-tie and stay apart.
+Agreement is counted as the common prefix of each prompt's tokens.
+Asserted: the first token equals llama.cpp's top-1 on every prompt where llama.cpp's top-1 is
+clear of its second (NEAR_TIE), and is one of its top two on the near-ties; the count on all 30 is
+reported. And the prefix agreement stays above the floor measured when this test was written
+(MEASURED_FLOOR).
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ MEASURED_FLOOR = 0.35
 """Measured 2026-11-24: 612/1440 = 42.5% common prefix (641/1440 same position, 4/30 identical
 answers, first token 30/30); 2026-11-25, decode attention in the C kernel: 582/1440 = 40.4%
 (618 same position, 3/30 identical; the torch attention path gave 564 = 39.2% that day). The
-floor leaves room for bfloat16 kernels that round differently."""
+floor leaves room for bfloat16 kernels that round differently. 2026-11-25, the C int4 kernel:
+576/1440 = 40.0% (643 same position, 3/30 identical), first token llama.cpp's top-1 on 28/30."""
+NEAR_TIE = 1.1
+"""A prompt whose llama.cpp top-1 probability is below 1.1x its second (a logit gap under 0.1).
+Of the 30: prompt 4 (0.025 vs 0.024), 8 (0.020 vs 0.020) and 11 (0.127 vs 0.119). On 4 and 8 the
+dense bfloat16 path and the C int4 kernel (the same bfloat16 weights) take llama.cpp's second
+token, torch's int4 kernel its first: rounding decides a tie, not the model."""
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -65,5 +75,10 @@ def test_int4_first_token_is_llamacpps_top1_and_greedy_tokens_agree(reference, r
     record_property("int4_vs_llamacpp", report)
     with capsys.disabled():
         print("\n" + report)
-    assert [o[0] for o in ours] == first_top1
+    for i, (out, p) in enumerate(zip(ours, reference["prompts"])):
+        top = p["first_token_top"]
+        if top[0]["prob"] >= NEAR_TIE * top[1]["prob"]:
+            assert out[0] == top[0]["id"], f"prompt {i}: {out[0]}, llama.cpp's clear top-1 is {top[0]}"
+        else:
+            assert out[0] in (top[0]["id"], top[1]["id"]), f"prompt {i}: {out[0]} not in llama.cpp's {top[:2]}"
     assert prefix / total >= MEASURED_FLOOR

@@ -136,7 +136,7 @@ def test_unsupported_names_the_reason():
 def test_the_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     cc = loader.compiler()
-    source = (loader.KERNEL_DIR / loader.SOURCE).read_text()
+    source = loader.PAGED_DECODE.path.read_text()
     name = loader.library_name(source, cc)
     assert loader.library_name(source + "\n", cc) != name
     target = loader.cache_dir() / name

@@ -92,11 +92,21 @@ def test_tensor_parallel_must_split_the_heads(tmp_path, capsys):
     assert err == "pdserve plan: error: --tensor-parallel-size 3 does not divide the model's 32 attention heads"
 
 
-def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_dense(capsys):
+def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_as_the_c_kernel_decides(capsys, monkeypatch):
+    from engine.cpu_kernels import loader
+
     cpu = ["--device", "cpu", "--device-memory", "8GiB", "--max-model-len", "2048"]
     kept = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf")
     assert (kept["weights"]["quantization"], kept["weights_bytes"]) == ("int4", 123_048_576)
+    monkeypatch.setattr(loader, "int4_kernel_host", lambda: None)  # a host that builds the C int4 kernel
+    auto = plan_json(capsys, *cpu, "--dtype", "bfloat16")
+    assert (auto["weights"]["quantization"], auto["weights_bytes"]) == ("int4", 123_048_576)
+    assert "C int4 kernel" in auto["weights"]["quantization_source"]
+    off = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--no-cpu-int4-kernel")
+    assert (off["weights"]["quantization"], off["weights_bytes"]) == ("none", 269_030_016)
+    monkeypatch.setattr(loader, "int4_kernel_host", lambda: "the CPU has no AVX512-BF16")
     bf16 = plan_json(capsys, *cpu, "--dtype", "bfloat16")
     assert (bf16["weights"]["quantization"], bf16["weights_bytes"]) == ("none", 269_030_016)
+    assert "no AVX512-BF16" in bf16["weights"]["quantization_source"]
     f32 = plan_json(capsys, *cpu, "--dtype", "float32")
     assert (f32["weights"]["quantization"], f32["weights_bytes"]) == ("none", 538_060_032)

@@ -12,11 +12,13 @@ from gguf import GGMLQuantizationType as QT
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.cpu_kernels.int4_matmul import load_int4_kernel
 from engine.loader.gguf_loader import read_gguf_spec, read_gguf_weights
 from engine.loader.gguf_quant import read_gguf_quantized
 from engine.loader.quant_choice import resolve_quantization
 from engine.model.quantized_linear import (
-    Int4Linear, Int4Weight, Int8Linear, Int8Weight, kernels_available, quantize_int4, quantize_int8,
+    Int4Linear, Int4Weight, Int8Linear, Int8Weight, KernelInt4Linear, kernels_available, quantize_int4,
+    quantize_int8,
 )
 from pdserve.specs import engine_argv
 from tests.tiny_model import tiny_llm, write_tiny_model
@@ -111,29 +113,38 @@ def test_gguf_q8_0_linears_are_requantized_to_int8_per_row(tmp_path: Path):
     assert (weight.dequantize() - ref).abs().max().item() <= float(weight.scales.max()) / 2 + 1e-6
 
 
-def test_gguf_keeps_a_q4_gguf_quantized_on_cpu_and_auto_is_dense(tmp_path: Path):
-    q4, f32 = tmp_path / "q4.gguf", tmp_path / "f32.gguf"
+def test_gguf_keeps_a_q4_gguf_quantized_on_cpu_and_auto_only_with_the_c_kernel_in_bfloat16(tmp_path: Path):
+    q4, f32, q8 = tmp_path / "q4.gguf", tmp_path / "f32.gguf", tmp_path / "q8.gguf"
     write_llama_gguf(q4, hf_weights(), QT.Q4_1)
     write_llama_gguf(f32, hf_weights(), QT.F32)
+    write_llama_gguf(q8, hf_weights(), QT.Q8_0)
     assert resolve_quantization("gguf", q4, "cpu", True, "bfloat16") == "gguf"
-    assert resolve_quantization("auto", q4, "cpu", True, "bfloat16") == "none"  # measured faster dense
-    assert resolve_quantization("auto", q4, "cpu", True, "float32") == "none"  # float32 stays exact
-    assert resolve_quantization("auto", q4, "cuda", False, "bfloat16") == "none"
+    assert resolve_quantization("auto", q4, "cpu", True, "bfloat16") == "none"  # torch's kernel: dense is faster
+    assert resolve_quantization("auto", q4, "cpu", True, "bfloat16", fast_int4=True) == "gguf"  # the C kernel
+    assert resolve_quantization("auto", q4, "cpu", True, "float32", fast_int4=True) == "none"  # float32 stays exact
+    assert resolve_quantization("auto", q8, "cpu", True, "bfloat16", fast_int4=True) == "none"  # Q8_0: re-quantized
+    assert resolve_quantization("auto", q4, "cuda", False, "bfloat16", fast_int4=True) == "none"
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF file whose linears are Q4_0/Q4_1/Q8_0"):
         resolve_quantization("gguf", f32, "cpu", True, "bfloat16")
     with pytest.raises(ValueError, match="--quantization gguf needs torch's CPU int4/int8 kernels"):
         resolve_quantization("gguf", q4, "cuda", False, "bfloat16")
-    assert resolve_quantization("auto", f32, "cpu", True, "bfloat16") == "none"
-    assert resolve_quantization("auto", tmp_path, "cpu", True, "bfloat16") == "none"  # HF folder
+    assert resolve_quantization("auto", f32, "cpu", True, "bfloat16", fast_int4=True) == "none"
+    assert resolve_quantization("auto", tmp_path, "cpu", True, "bfloat16", fast_int4=True) == "none"  # HF folder
     assert resolve_quantization("int8", f32, "cpu", True, "float32") == "int8"
     with pytest.raises(ValueError, match="--quantization int4 needs torch's CPU int4/int8 kernels; "
                                          "device 'cuda' has none here"):
         resolve_quantization("int4", q4, "cuda", False, "bfloat16")
 
 
-@pytest.mark.parametrize("method, module_type", [("int4", Int4Linear), ("int8", Int8Linear)])
-def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method, module_type):
-    llm = tiny_llm(write_tiny_model(tmp_path / "tiny"), dtype="bfloat16", quantization=method)
+_C_INT4 = KernelInt4Linear if load_int4_kernel()[0] is not None else Int4Linear
+"""What int4 linears are on this host with the C kernel on (tests/unit/test_cpu_int4_kernel.py)."""
+
+
+@pytest.mark.parametrize("method, c_kernel, module_type", [
+    ("int4", True, _C_INT4), ("int4", False, Int4Linear), ("int8", True, Int8Linear)])
+def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method, c_kernel, module_type):
+    llm = tiny_llm(write_tiny_model(tmp_path / "tiny"), dtype="bfloat16", quantization=method,
+                   cpu_int4_kernel=c_kernel)
     model = llm.engine.runner.model
     linears = {name.rpartition(".")[2]: m for name, m in model.model.layers[1].named_modules()
                if name.endswith("_proj")}
@@ -142,7 +153,7 @@ def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method,
     assert sorted(linears) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     assert all(isinstance(m, module_type) for m in linears.values())
     assert isinstance(model.model.embed_tokens, nn.Embedding)  # embeddings and an HF lm_head stay dense
-    assert not isinstance(model.lm_head, (Int4Linear, Int8Linear))
+    assert not isinstance(model.lm_head, (Int4Linear, KernelInt4Linear, Int8Linear))
     [out] = llm.generate([[1, 2, 3, 4]], _greedy(6))
     assert len(out.token_ids) == 6
 

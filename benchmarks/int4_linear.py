@@ -1,0 +1,135 @@
+"""CPU int4 linears: the C kernel (engine/cpu_kernels/int4_linear.c) against torch's int4 kernel
+and oneDNN-packed dense bfloat16, side by side in one run.
+
+    .venv/bin/python benchmarks/int4_linear.py [--quick] [--no-results]
+
+Two parts:
+
+- linears: the decoder linears of the default model's LAYERS layers (q|k|v, o, gate|up, down;
+  weights quantized at random, int4 in groups of 32), each layer its own tensors and called in
+  turn as a decode step does, so the weights come from memory, not from a warm cache. ms for
+  the 30 layers per batch size (rows of x) and torch thread count, median of --repeat.
+- engine: an EngineCore of the default Q4_1 GGUF in bfloat16 on 2 threads, the median decode
+  step at batch 1 and 8 (128-token prompts), with the C kernel (--quantization gguf), with
+  torch's int4 kernel (--no-cpu-int4-kernel) and dense (--quantization none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+
+import torch  # noqa: E402
+
+from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
+
+LAYERS = 30
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+"""(out, in) of SmolLM2-135M's fused q|k|v, o, fused gate|up and down."""
+
+
+def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int) -> list[list[object]]:
+    from engine.cpu_kernels.int4_matmul import load_int4_kernel, pack
+    from engine.model.packed_linear import PackedLinear
+    from engine.model.quantized_linear import Int4Linear, KernelInt4Linear, quantize_int4
+
+    kernel, reason = load_int4_kernel()
+    if kernel is None:
+        raise SystemExit(f"no C int4 kernel here: {reason}")
+    gen = torch.Generator().manual_seed(0)
+    modules: dict[str, list[torch.nn.Module]] = {"C kernel": [], "torch int4": [], "dense bf16": []}
+    for _ in range(layers):
+        for out, cols in SHAPES:
+            w = quantize_int4(torch.randn(out, cols, generator=gen) * 0.05)
+            packed = pack(w.codes, w.scales, w.zeros, w.group_size)
+            modules["C kernel"].append(KernelInt4Linear(packed, kernel))
+            modules["torch int4"].append(Int4Linear(w, torch.bfloat16))
+            modules["dense bf16"].append(PackedLinear(kernel.dequantize(packed)))
+    rows = []
+    for n in threads:
+        torch.set_num_threads(n)
+        for batch in batches:
+            xs = {cols: torch.randn(batch, cols, generator=gen).to(torch.bfloat16) for cols in (576, 1536)}
+            times: dict[str, list[float]] = {name: [] for name in modules}
+            for r in range(repeat + 1):  # the first round warms up
+                for name, mods in modules.items():
+                    start = time.perf_counter()
+                    for m in mods:
+                        m(xs[m.in_features])
+                    if r:
+                        times[name].append((time.perf_counter() - start) * 1e3)
+            c, t, d = (statistics.median(times[k]) for k in ("C kernel", "torch int4", "dense bf16"))
+            rows.append([n, batch, f"{c:.2f}", f"{t:.2f}", f"{d:.2f}", f"{c / t:.2f}x", f"{c / d:.2f}x"])
+    return rows
+
+
+def engine_rows(batches: list[int], new_tokens: int) -> list[list[object]]:
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    setups = {"C kernel": dict(quantization="gguf"), "torch int4": dict(quantization="gguf", cpu_int4_kernel=False),
+              "dense bf16": dict(quantization="none")}
+    medians: dict[int, dict[str, float]] = {b: {} for b in batches}
+    for name, kwargs in setups.items():
+        engine = LLMEngine(EngineConfig.from_kwargs(dtype="bfloat16", max_model_len=1024, num_threads=2,
+                                                    kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs))
+        rng = random.Random(0)
+        for batch in batches:
+            for i in range(batch):
+                engine.add_request(f"{name}-{batch}-{i}", [rng.randrange(100, 40000) for _ in range(128)], params)
+            steps = []
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = engine.step()
+                seconds = time.perf_counter() - start
+                if len(outputs) == batch and all(len(o.token_ids) > 1 for o in outputs):
+                    steps.append(seconds)  # a decode step of the whole batch
+            medians[batch][name] = statistics.median(steps) * 1e3 if steps else float("nan")
+    return [[b, f"{m['C kernel']:.1f}", f"{m['torch int4']:.1f}", f"{m['dense bf16']:.1f}",
+             f"{m['C kernel'] / m['torch int4']:.2f}x", f"{m['C kernel'] / m['dense bf16']:.2f}x"]
+            for b, m in medians.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    if args.quick:
+        batches, threads, repeat, layers, e_batches, new_tokens = [1, 20], [1], 1, 2, [2], 4
+    else:
+        batches, threads, repeat, layers, e_batches, new_tokens = [1, 4, 8, 16], [1, 2], args.repeat, LAYERS, [1, 8], 40
+    l_headers = ["threads", "rows of x", "C kernel ms", "torch int4 ms", "dense bf16 ms", "C / torch int4", "C / dense"]
+    l_rows = linear_rows(batches, threads, repeat, layers)
+    print(text_table(l_headers, l_rows), flush=True)
+    e_headers = ["decode batch", "C kernel step ms", "torch int4 step ms", "dense bf16 step ms", "C / torch int4",
+                 "C / dense"]
+    e_rows = engine_rows(e_batches, new_tokens)
+    print(text_table(e_headers, e_rows))
+    if args.quick or args.no_results:
+        return
+    body = "\n".join([
+        markdown_table(l_headers, l_rows), "", markdown_table(e_headers, e_rows), "", "Method:", "",
+        f"- linears: the {len(SHAPES)} decoder linears of the default model's shape {list(SHAPES)} (out, in), "
+        f"{layers} layers of them, each its own weights (random, int4 in groups of 32), called in turn so the weights "
+        f"come from memory; bfloat16 activations; ms for all {layers} layers, median of {repeat} rounds",
+        "- C kernel: engine.cpu_kernels.int4_matmul (up to 32 rows through the kernel, more: dequantize + dense "
+        "matmul); torch int4: _weight_int4pack_mm_for_cpu; dense bf16: oneDNN-packed weights of the same values",
+        f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (1 for steps of <= 4 tokens, the "
+        f"default --decode-threads), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
+        "median of the steps in which every request decodes",
+    ])
+    print("appended to", append_results("int4_linear (C int4 kernel vs torch int4 vs dense bfloat16)", body))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+/* Int4 linears on the CPU: y = x @ W^T with W kept as 4-bit codes, x and y in bfloat16.
+ *
+ * The weight layout is GGUF's Q4_1 block, split into two arrays:
+ *   codes [N, K/2] uint8   per group g of 32 weights of a row, 16 bytes: byte j holds the code of
+ *                          weight g*32 + j in its low nibble and of weight g*32 + 16 + j in its high
+ *   dm    [N, K/32, 2]     float16 (d, m) per group:  w = q * d + m,  q in 0..15
+ * (Q4_0's w = (q - 8) * d is d and m = -8 d; engine/cpu_kernels/int4_matmul.py packs both.)
+ *
+ * int4_linear_bf16: the small batches of decode (a few rows of x). Each group's 32 weights are
+ * dequantized once per call (q * d + m in float32, rounded to bfloat16: the same weights the
+ * dense bfloat16 path holds; the group's 16 possible values are computed and looked up by code)
+ * and meet each row of x in one vdpbf16ps, 32 products summed in float32. Up to 8 rows of x share a dequantized group; 4 output rows (2 from 5 rows of x on)
+ * are computed together. Output rows are split across the calling thread's OpenMP team, the
+ * one torch runs its own ops on (the library links the libgomp torch has loaded).
+ *
+ * int4_dequantize_bf16: the whole weight in bfloat16 (those same values), for large batches,
+ * where a dense matmul on it beats recomputing each group per 8 rows.
+ *
+ * Both need AVX512-BF16 (int4_linear_supported says whether this build has it); elsewhere the
+ * callers keep torch's int4 kernel.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32   /* weights per (d, m) pair */
+#define MAX_MB 8   /* rows of x sharing one dequantized group */
+#define CHUNK 16   /* output rows a thread takes at a time */
+
+int int4_linear_supported(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+
+static inline uint16_t bf16_round(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even, as torch's .to(bfloat16) */
+    return (uint16_t)(u >> 16);
+}
+
+/* The 32 weights of one group of one row, dequantized and rounded to bfloat16 in order: the
+   group's 16 possible values q * d + m (q = 0..15) are computed once and looked up by code. */
+static inline __m512bh group_weights(const uint8_t *codes, const uint16_t *dm)
+{
+    _Float16 dh, mh;
+    memcpy(&dh, dm, 2);
+    memcpy(&mh, dm + 1, 2);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i values = _mm512_castsi256_si512(
+        (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(q, _mm512_set1_ps((float)dh), _mm512_set1_ps((float)mh))));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+    const __m512i index = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))), _mm256_srli_epi16(bytes, 4), 1);
+    return (__m512bh)_mm512_permutexvar_epi16(index, values); /* 0..15: low nibbles, 16..31: high */
+}
+
+/* Output rows n .. n+R-1 for rows 0 .. mb-1 of x: y[i * ldy + r]. The weights come from the
+   codes (dense NULL) or, already dequantized, from `dense` (rows of K bfloat16). R, mb and
+   whether dense is used are constants in each copy below, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(
+    const uint8_t *codes, const uint16_t *dm, const uint16_t *dense, const uint16_t *x, int64_t K, const int R,
+    const int mb, const int from_dense, uint16_t *y, int64_t ldy)
+{
+    __m512 acc[4][MAX_MB];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) acc[r][i] = _mm512_setzero_ps();
+    const int64_t groups = K / GROUP, row_bytes = K / 2, row_dm = groups * 2;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512bh w[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            w[r] = from_dense ? (__m512bh)_mm512_loadu_si512((const void *)(dense + r * K + g * GROUP))
+                              : group_weights(codes + r * row_bytes + g * 16, dm + r * row_dm + g * 2);
+        const uint16_t *xg = x + g * GROUP;
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xg + i * K));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w[r], xv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < mb; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) y[i * ldy + r] = bf16_round(_mm512_reduce_add_ps(acc[r][i]));
+}
+
+typedef void (*tile_fn)(const uint8_t *, const uint16_t *, const uint16_t *, const uint16_t *, int64_t, uint16_t *,
+                        int64_t);
+#define TILE(R, MB, DENSE) \
+    static void tile_##R##_##MB##_##DENSE(const uint8_t *c, const uint16_t *s, const uint16_t *w, const uint16_t *x, \
+                                          int64_t K, uint16_t *y, int64_t ldy) { tile(c, s, w, x, K, R, MB, DENSE, y, ldy); }
+#define TILES(DENSE) \
+    TILE(4, 1, DENSE) TILE(4, 2, DENSE) TILE(4, 3, DENSE) TILE(4, 4, DENSE) \
+    TILE(2, 5, DENSE) TILE(2, 6, DENSE) TILE(2, 7, DENSE) TILE(2, 8, DENSE) \
+    TILE(1, 1, DENSE) TILE(1, 2, DENSE) TILE(1, 3, DENSE) TILE(1, 4, DENSE) \
+    TILE(1, 5, DENSE) TILE(1, 6, DENSE) TILE(1, 7, DENSE) TILE(1, 8, DENSE)
+TILES(0) TILES(1)
+/* Indexed by [from dense][mb]: the widest tile (at most 16 accumulators of 32 registers), and one
+   row for the tail. */
+static const tile_fn WIDE[2][MAX_MB + 1] = {
+    {0, tile_4_1_0, tile_4_2_0, tile_4_3_0, tile_4_4_0, tile_2_5_0, tile_2_6_0, tile_2_7_0, tile_2_8_0},
+    {0, tile_4_1_1, tile_4_2_1, tile_4_3_1, tile_4_4_1, tile_2_5_1, tile_2_6_1, tile_2_7_1, tile_2_8_1}};
+static const int WIDE_ROWS[MAX_MB + 1] = {0, 4, 4, 4, 4, 2, 2, 2, 2};
+static const tile_fn ONE[2][MAX_MB + 1] = {
+    {0, tile_1_1_0, tile_1_2_0, tile_1_3_0, tile_1_4_0, tile_1_5_0, tile_1_6_0, tile_1_7_0, tile_1_8_0},
+    {0, tile_1_1_1, tile_1_2_1, tile_1_3_1, tile_1_4_1, tile_1_5_1, tile_1_6_1, tile_1_7_1, tile_1_8_1}};
+
+/* This thread's buffer for CHUNK dequantized rows (kept for the thread's life, grown as needed). */
+static __thread uint16_t *chunk_buffer;
+static __thread size_t chunk_buffer_len;
+
+static uint16_t *rows_buffer(size_t len)
+{
+    if (len > chunk_buffer_len) {
+        void *grown = realloc(chunk_buffer, len * sizeof(uint16_t));
+        if (!grown) return NULL;
+        chunk_buffer = grown;
+        chunk_buffer_len = len;
+    }
+    return chunk_buffer;
+}
+
+/* Output rows n0 .. n1-1 for every row of x. With more than MAX_MB rows of x the chunk's weights are
+   dequantized once into this thread's buffer and every 8 rows of x read them from there (L1/L2);
+   with fewer, each group is dequantized in registers as it is used. 0, or -1 if no memory. */
+static int output_rows(const uint8_t *codes, const uint16_t *dm, const uint16_t *x, int64_t M, int64_t N,
+                       int64_t K, int64_t n0, int64_t n1, uint16_t *y)
+{
+    const int64_t row_bytes = K / 2, row_dm = K / GROUP * 2;
+    const uint16_t *dense = NULL;
+    if (M > MAX_MB) {
+        uint16_t *buffer = rows_buffer((size_t)((n1 - n0) * K));
+        if (!buffer) return -1;
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t g = 0; g < K / GROUP; g++)
+                _mm512_storeu_si512((void *)(buffer + (n - n0) * K + g * GROUP),
+                                    (__m512i)group_weights(codes + n * row_bytes + g * 16, dm + n * row_dm + g * 2));
+        dense = buffer;
+    }
+    const int from_dense = dense != NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
+        const int mb = M - m0 < MAX_MB ? (int)(M - m0) : MAX_MB;
+        const int R = WIDE_ROWS[mb];
+        int64_t n = n0;
+        for (; n + R <= n1; n += R)
+            WIDE[from_dense][mb](codes + n * row_bytes, dm + n * row_dm, dense + (from_dense ? (n - n0) * K : 0),
+                                 x + m0 * K, K, y + m0 * N + n, N);
+        for (; n < n1; n++)
+            ONE[from_dense][mb](codes + n * row_bytes, dm + n * row_dm, dense + (from_dense ? (n - n0) * K : 0),
+                                x + m0 * K, K, y + m0 * N + n, N);
+    }
+    return 0;
+}
+
+#endif /* __AVX512BF16__ */
+
+/* y[M, N] = x[M, K] @ W^T, all contiguous, x and y bfloat16. 0 on success, -1 for bad shapes or
+   a build without AVX512-BF16, -2 when a thread's row buffer could not be allocated. */
+int int4_linear_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *dm, uint16_t *y,
+                     int64_t M, int64_t N, int64_t K)
+{
+#if defined(__AVX512BF16__)
+    if (M <= 0 || N <= 0 || K <= 0 || K % GROUP) return -1;
+    const int64_t chunks = (N + CHUNK - 1) / CHUNK;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+        failed |= output_rows(codes, dm, x, M, N, K, n0, n1, y);
+    }
+    return failed ? -2 : 0;
+#else
+    (void)x; (void)codes; (void)dm; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+/* w[N, K] bfloat16: every weight as int4_linear_bf16 uses it. */
+int int4_dequantize_bf16(const uint8_t *codes, const uint16_t *dm, uint16_t *w, int64_t N, int64_t K)
+{
+#if defined(__AVX512BF16__)
+    if (N <= 0 || K <= 0 || K % GROUP) return -1;
+    const int64_t groups = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t g = 0; g < groups; g++)
+            _mm512_storeu_si512((void *)(w + n * K + g * GROUP),
+                                (__m512i)group_weights(codes + n * (K / 2) + g * 16, dm + (n * groups + g) * 2));
+    return 0;
+#else
+    (void)codes; (void)dm; (void)w; (void)N; (void)K;
+    return -1;
+#endif
+}
