@@ -221,8 +221,8 @@ def method_lines(args: argparse.Namespace, model: Path, binary: Path, cores: str
                  resolved_dtype: str) -> list[str]:
     return [
         f"- model: {model.name} (the same file for both; Q4_1: llama.cpp computes on the quantized weights; "
-        f"pdserve --quantization {args.quantization} (gguf: keeps the Q4_1 blocks as torch int4 linears in "
-        f"bfloat16; auto and none: dequantize them at load), activations {resolved_dtype})",
+        f"pdserve --quantization {args.quantization} (gguf, and auto in bfloat16 where the C int4 kernel loads: "
+        f"keeps the Q4_1 blocks, computed in bfloat16; none: dequantized at load), activations {resolved_dtype})",
         f"- llama.cpp: {binary} (llama-cpp-python {binary.parent.parent.name.split('-')[-1]}'s vendored "
         f"source; CPU, GGML_NATIVE=ON, OpenMP), `--parallel {MAX_NUM_SEQS} --ctx-size "
         f"{MAX_NUM_SEQS * CTX_PER_SLOT} --threads {THREADS} --threads-batch {THREADS}`, other settings default",
