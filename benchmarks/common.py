@@ -117,3 +117,33 @@ def append_results(title: str, body: str, path: Path = RESULTS_PATH) -> Path:
     with path.open("a") as f:
         f.write(section)
     return path
+
+
+def median_decode_step_ms(engine, prompts: Sequence[Sequence[int]], params, tag: str) -> float:
+    """Add `prompts` to `engine` (an LLMEngine) at once and step it until they finish: the median
+    of the steps in which every one of them decodes, in ms (nan if there was none)."""
+    import statistics
+    import time
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", list(prompt), params)
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        if len(outputs) == len(prompts) and all(len(o.token_ids) > 1 for o in outputs):
+            steps.append(seconds)  # a decode step of the whole batch
+    return statistics.median(steps) * 1e3 if steps else float("nan")
+
+
+def report_tables(tables: Sequence[tuple[Sequence[str], Sequence[Sequence[object]]]], title: str,
+                  method: Sequence[str], write: bool) -> None:
+    """Print each (headers, rows) table; when `write`, append them and the method lines to
+    RESULTS.md under `title`."""
+    for headers, rows in tables:
+        print(text_table(headers, rows), flush=True)
+    if not write:
+        return
+    parts = [markdown_table(headers, rows) + "\n" for headers, rows in tables]
+    print("appended to", append_results(title, "\n".join([*parts, "Method:", "", *method])))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 import torch  # noqa: E402
 
-from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
+from benchmarks.common import median_decode_step_ms, report_tables  # noqa: E402
 
 LAYERS = 30
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
@@ -88,16 +88,7 @@ def engine_rows(mixes: list[tuple[int, int]], long_len: int, new_tokens: int) ->
         for n, (longs, shorts) in enumerate(mixes):
             prompts = ([[rng.randrange(100, 40000) for _ in range(long_len)] for _ in range(longs)]
                        + [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(shorts)])
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"{on}-{n}-{i}", prompt, params)
-            steps = []
-            while engine.has_unfinished_requests():
-                start = time.perf_counter()
-                outputs = engine.step()
-                seconds = time.perf_counter() - start
-                if len(outputs) == len(prompts) and all(len(o.token_ids) > 1 for o in outputs):
-                    steps.append(seconds)  # a decode step of the whole batch
-            medians[(longs, shorts)][on] = statistics.median(steps) * 1e3 if steps else float("nan")
+            medians[(longs, shorts)][on] = median_decode_step_ms(engine, prompts, params, f"{on}-{n}")
     return [[f"{longs} x {long_len} + {shorts} x 128", f"{m[False]:.1f}", f"{m[True]:.1f}", f"{m[True] / m[False]:.2f}x"]
             for (longs, shorts), m in medians.items()]
 
@@ -116,14 +107,9 @@ def main() -> None:
         mixes, long_len, new_tokens = [(0, 5), (1, 4), (3, 4)], 2000, 40
     k_headers = ["context", "batch", "torch path us/layer", "C kernel us/layer", "kernel / torch"]
     k_rows = kernel_rows(contexts, batches, repeat)
-    print(text_table(k_headers, k_rows), flush=True)
     e_headers = ["decode batch", "torch path step ms", "C kernel step ms", "kernel / torch"]
     e_rows = engine_rows(mixes, long_len, new_tokens)
-    print(text_table(e_headers, e_rows))
-    if args.quick or args.no_results:
-        return
-    body = "\n".join([
-        markdown_table(k_headers, k_rows), "", markdown_table(e_headers, e_rows), "", "Method:", "",
+    report_tables([(k_headers, k_rows), (e_headers, e_rows)], "cpu_attention (C decode kernel vs torch path)", [
         f"- kernel: one layer of decode attention in bfloat16 in the default model's shape ({NUM_HEADS} query heads, "
         f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, blocks of {BLOCK_SIZE}); {LAYERS} layers' caches of "
         f"{CACHE_BLOCKS} blocks each (a worker at --kv-cache-memory 512MiB), each sequence's blocks drawn at random, "
@@ -132,9 +118,7 @@ def main() -> None:
         "folded into its query axis (engine.model.attention._decode_group)",
         f"- engine: EngineCore of the default model in bfloat16, 1 thread, random prompts, {new_tokens} new tokens "
         "each, all added at once; median of the steps in which every request decodes",
-    ])
-    print("appended to", append_results("cpu_attention (C decode kernel vs torch path)", body))
-
+    ], write=not (args.quick or args.no_results))
 
 if __name__ == "__main__":
     main()

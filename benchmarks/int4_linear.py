@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 import torch  # noqa: E402
 
-from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
+from benchmarks.common import median_decode_step_ms, report_tables  # noqa: E402
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -83,16 +83,8 @@ def engine_rows(batches: list[int], new_tokens: int) -> list[list[object]]:
                                                     kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs))
         rng = random.Random(0)
         for batch in batches:
-            for i in range(batch):
-                engine.add_request(f"{name}-{batch}-{i}", [rng.randrange(100, 40000) for _ in range(128)], params)
-            steps = []
-            while engine.has_unfinished_requests():
-                start = time.perf_counter()
-                outputs = engine.step()
-                seconds = time.perf_counter() - start
-                if len(outputs) == batch and all(len(o.token_ids) > 1 for o in outputs):
-                    steps.append(seconds)  # a decode step of the whole batch
-            medians[batch][name] = statistics.median(steps) * 1e3 if steps else float("nan")
+            prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(batch)]
+            medians[batch][name] = median_decode_step_ms(engine, prompts, params, f"{name}-{batch}")
     return [[b, f"{m['C kernel']:.1f}", f"{m['torch int4']:.1f}", f"{m['dense bf16']:.1f}",
              f"{m['C kernel'] / m['torch int4']:.2f}x", f"{m['C kernel'] / m['dense bf16']:.2f}x"]
             for b, m in medians.items()]
@@ -110,15 +102,11 @@ def main() -> None:
         batches, threads, repeat, layers, e_batches, new_tokens = [1, 4, 8, 16], [1, 2], args.repeat, LAYERS, [1, 8], 40
     l_headers = ["threads", "rows of x", "C kernel ms", "torch int4 ms", "dense bf16 ms", "C / torch int4", "C / dense"]
     l_rows = linear_rows(batches, threads, repeat, layers)
-    print(text_table(l_headers, l_rows), flush=True)
     e_headers = ["decode batch", "C kernel step ms", "torch int4 step ms", "dense bf16 step ms", "C / torch int4",
                  "C / dense"]
     e_rows = engine_rows(e_batches, new_tokens)
-    print(text_table(e_headers, e_rows))
-    if args.quick or args.no_results:
-        return
-    body = "\n".join([
-        markdown_table(l_headers, l_rows), "", markdown_table(e_headers, e_rows), "", "Method:", "",
+    report_tables([(l_headers, l_rows), (e_headers, e_rows)],
+                  "int4_linear (C int4 kernel vs torch int4 vs dense bfloat16)", [
         f"- linears: the {len(SHAPES)} decoder linears of the default model's shape {list(SHAPES)} (out, in), "
         f"{layers} layers of them, each its own weights (random, int4 in groups of 32), called in turn so the weights "
         f"come from memory; bfloat16 activations; ms for all {layers} layers, median of {repeat} rounds",
@@ -127,9 +115,7 @@ def main() -> None:
         f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (1 for steps of <= 4 tokens, the "
         f"default --decode-threads), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
         "median of the steps in which every request decodes",
-    ])
-    print("appended to", append_results("int4_linear (C int4 kernel vs torch int4 vs dense bfloat16)", body))
-
+    ], write=not (args.quick or args.no_results))
 
 if __name__ == "__main__":
     main()

@@ -120,6 +120,16 @@ static const tile_fn ONE[2][MAX_MB + 1] = {
     {0, tile_1_1_0, tile_1_2_0, tile_1_3_0, tile_1_4_0, tile_1_5_0, tile_1_6_0, tile_1_7_0, tile_1_8_0},
     {0, tile_1_1_1, tile_1_2_1, tile_1_3_1, tile_1_4_1, tile_1_5_1, tile_1_6_1, tile_1_7_1, tile_1_8_1}};
 
+/* Rows n0 .. n1-1 of the weight in bfloat16, q * d + m as the kernel uses them, into out[(n - n0) * K]. */
+static void expand_rows(const uint8_t *codes, const uint16_t *dm, int64_t K, int64_t n0, int64_t n1, uint16_t *out)
+{
+    const int64_t groups = K / GROUP;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t g = 0; g < groups; g++)
+            _mm512_storeu_si512((void *)(out + (n - n0) * K + g * GROUP),
+                                (__m512i)group_weights(codes + n * (K / 2) + g * 16, dm + (n * groups + g) * 2));
+}
+
 /* This thread's buffer for CHUNK dequantized rows (kept for the thread's life, grown as needed). */
 static __thread uint16_t *chunk_buffer;
 static __thread size_t chunk_buffer_len;
@@ -146,10 +156,7 @@ static int output_rows(const uint8_t *codes, const uint16_t *dm, const uint16_t 
     if (M > MAX_MB) {
         uint16_t *buffer = rows_buffer((size_t)((n1 - n0) * K));
         if (!buffer) return -1;
-        for (int64_t n = n0; n < n1; n++)
-            for (int64_t g = 0; g < K / GROUP; g++)
-                _mm512_storeu_si512((void *)(buffer + (n - n0) * K + g * GROUP),
-                                    (__m512i)group_weights(codes + n * row_bytes + g * 16, dm + n * row_dm + g * 2));
+        expand_rows(codes, dm, K, n0, n1, buffer);
         dense = buffer;
     }
     const int from_dense = dense != NULL;
@@ -195,12 +202,8 @@ int int4_dequantize_bf16(const uint8_t *codes, const uint16_t *dm, uint16_t *w, 
 {
 #if defined(__AVX512BF16__)
     if (N <= 0 || K <= 0 || K % GROUP) return -1;
-    const int64_t groups = K / GROUP;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t g = 0; g < groups; g++)
-            _mm512_storeu_si512((void *)(w + n * K + g * GROUP),
-                                (__m512i)group_weights(codes + n * (K / 2) + g * 16, dm + (n * groups + g) * 2));
+    for (int64_t n = 0; n < N; n++) expand_rows(codes, dm, K, n, n + 1, w + n * K);
     return 0;
 #else
     (void)codes; (void)dm; (void)w; (void)N; (void)K;

@@ -174,12 +174,13 @@ class KernelInt4Linear(nn.Module):
         self.kernel = kernel
         self.register_buffer("codes", weight.codes)
         self.register_buffer("dm", weight.dm)
+        self.packed = weight  # the same tensors; the kernel reads them by address (CPU, never moved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
-        return _restore(self.kernel.linear(rows, PackedInt4(self.codes, self.dm)), x)
+        return _restore(self.kernel.linear(rows, self.packed), x)
 
 
 def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None) -> nn.Module:

@@ -1,0 +1,34 @@
+"""benchmarks/cpu_attention.py and benchmarks/int4_linear.py run (their --quick mode: both parts,
+tiny sizes, nothing written). The figures themselves are the scripts' to measure, not a test's
+to assert."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cpu_kernels.int4_matmul import load_int4_kernel
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
+
+
+@pytest.mark.parametrize("script, expected, skip_reason", [
+    ("cpu_attention.py", ("torch path us/layer", "C kernel step ms"), "no C compiler" if NO_COMPILER else None),
+    ("int4_linear.py", ("torch int4 ms", "C kernel step ms"),
+     None if load_int4_kernel()[0] is not None else f"no C int4 kernel here: {load_int4_kernel()[1]}"),
+])
+def test_quick_run_prints_both_tables(script, expected, skip_reason):
+    if skip_reason:
+        pytest.skip(skip_reason)
+    results = ROOT / "benchmarks" / "RESULTS.md"
+    before = results.read_text()
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all(text in done.stdout for text in expected)
+    assert results.read_text() == before  # --quick appends nothing
