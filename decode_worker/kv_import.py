@@ -1,14 +1,22 @@
-"""KVImporter: the decode worker's thread that writes arriving KV into the reserved blocks, off
-the engine step.
+"""KVImporter: writes arriving KV into the reserved blocks, off the engine step: layer by layer
+on the receiving thread as the layers land, else (receivers that deliver whole payloads) on its
+own thread.
 
-Why a thread: unpacking a payload (a copy of every layer's blocks) on the engine loop made each
-decode step after an arrival pay for it, so other requests' inter-token latency rose with every
-prompt that landed. Here the copy runs beside the loop; the loop only sees "KV complete" (an
-Arrival) and commits (DecodeWorker._poll_transfers).
+Why: unpacking a payload (a copy of every layer's blocks) on the engine loop made each decode
+step after an arrival pay for it, so other requests' inter-token latency rose with every prompt
+that landed. A thread beside the loop still took the decode worker's core for the whole copy
+at once (10-20 ms for a 2k-token prompt's 47 MB on one core), right when the payload was
+complete. Written a layer at a time as P streams them, the same copy is spread over P's
+forward pass, in pieces of ~0.4 ms. The loop only sees "KV complete" (an Arrival) and commits
+(DecodeWorker._poll_transfers).
 
 Who may write a ticket's blocks (the engine allocated them; only the loop frees them):
 
     expect(ticket, blocks)   loop, at reservation: a landing opens; the blocks may be written
+    (receiving thread)       a layer of the ticket's payload is in (the receiver's layer hook):
+                             under the landing's lock, if it is still open, write that layer
+                             into the blocks (a failed or cancelled transfer may leave some
+                             written: the ticket stays open, and a retry writes them all again)
     (receiving thread)       the ticket's payload is complete (the receiver's landed hook):
                              under the landing's lock, if it is still open, hand the first
                              token to the landing's early sink (if any: the stream gets it
@@ -16,15 +24,16 @@ Who may write a ticket's blocks (the engine allocated them; only the loop frees 
                              wakes)
     (import thread)          the payload is polled: under the landing's lock, if it is still
                              open, offer the first token to the sink if the hook did not,
-                             unpack into the blocks and close it; then an Arrival goes to the
-                             loop (take())
+                             unpack into the blocks (unless the layer hook wrote every layer)
+                             and close it; then an Arrival goes to the loop (take())
     cancel(ticket)           loop, before it frees the blocks (abort, expiry, failure, drain):
                              closes the landing, waiting for a write in progress (one unpack at
                              most), so no write lands in a block once it is freed and reused
 
-Priorities: the unpack is bulk work, so this thread runs at the engine thread's nice (it
-shares the cores with the steps as the step threads share them with each other); the first
-token goes from the receiving thread, which stays at the process's priority.
+Priorities: a whole-payload unpack is bulk work, so the import thread runs at the engine
+thread's nice (it shares the cores with the steps as the step threads share them with each
+other); the first token and the per-layer writes go from the receiving thread, which stays at
+the process's priority.
 
 A failed transfer (no payload) leaves the landing open: the router retries the prefill with the
 same ticket. A payload of the wrong size is reported and written nowhere.
@@ -43,7 +52,7 @@ import torch
 
 from engine.thread_priority import lower_thread_priority
 from kv_transfer.base import KVReceiver, ReceivedKV, TransferHeader, TransferResult
-from kv_transfer.packing import unpack_blocks
+from kv_transfer.packing import block_index, unpack_blocks, unpack_layer
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,8 @@ class _Landing:
         """The first token went to `early` (which may have declined it); under `lock`."""
         self.first_sent = False
         """`early` streamed the first token; under `lock`."""
+        self.index: torch.Tensor | None = None
+        """block_ids as an index tensor, made by the first layer written; under `lock`."""
 
     def offer_first_token(self, header: TransferHeader) -> None:
         """Under `lock`: give the first token to the early sink, once."""
@@ -114,6 +125,7 @@ class KVImporter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-import", daemon=True)
         receiver.on_landed(self._landed)
+        receiver.on_layer(self._layer_in)
 
     def start(self) -> None:
         self._thread.start()
@@ -163,6 +175,22 @@ class KVImporter:
             if landing.open:
                 landing.offer_first_token(header)
 
+    def _layer_in(self, header: TransferHeader, layer: int, kv: torch.Tensor) -> bool:
+        """The receiver's layer hook: write `layer` into the ticket's blocks now. False (the
+        import thread unpacks the whole payload, or drops it) for an unknown or closed ticket
+        or a payload of the wrong size."""
+        with self._lock:
+            landing = self._landings.get(header.ticket_id)
+        if landing is None or header.num_blocks != len(landing.block_ids):
+            return False
+        with landing.lock:
+            if not landing.open:
+                return False
+            if landing.index is None:
+                landing.index = block_index(landing.block_ids, self._kv_caches)
+            unpack_layer(kv, self._kv_caches[layer], landing.index)
+        return True
+
     # ---------------------------------------------------------- import thread
     def _run(self) -> None:
         lower_thread_priority(self._nice)
@@ -198,7 +226,8 @@ class KVImporter:
                 landing.open = False
                 landing.offer_first_token(header)  # a no-op when the landed hook gave it
                 sent = landing.first_sent
-                self._unpack(payload, self._kv_caches, landing.block_ids)
+                if received.layers_written < header.num_layers:  # else the layer hook wrote them all
+                    self._unpack(payload, self._kv_caches, landing.block_ids)
             with self._lock:
                 if self._landings.get(header.ticket_id) is landing:
                     del self._landings[header.ticket_id]

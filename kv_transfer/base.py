@@ -167,6 +167,9 @@ class ReceivedKV:
     header: TransferHeader
     payload: torch.Tensor | None
     result: TransferResult
+    layers_written: int = 0
+    """Layers the receiver's layer hook already wrote where they belong (KVReceiver.on_layer):
+    all of them (header.num_layers) means the payload need not be unpacked again."""
 
 
 @dataclass(frozen=True)
@@ -270,12 +273,17 @@ class KVSender(ABC):
 LandedHook = Callable[["TransferHeader"], None]
 """Called with a payload's header (its first token filled in) on the thread that received it."""
 
+LayerHook = Callable[["TransferHeader", int, "torch.Tensor"], bool]
+"""Called with (header, layer, that layer's [2, blocks, block, heads, dim] KV) on the thread that
+received it, as soon as the layer is in; True when it wrote the layer where it belongs."""
+
 
 class KVReceiver(ABC):
     """D's end: hosts channels that prefill workers join. Used from one thread (on_landed's
     hook excepted: the receiving threads call it)."""
 
     _landed: LandedHook | None = None
+    _layer: LayerHook | None = None
 
     def on_landed(self, hook: LandedHook | None) -> None:
         """Call `hook(header)` on the receiving thread the moment a payload is complete, before
@@ -283,6 +291,28 @@ class KVReceiver(ABC):
         hop sooner than from the thread that polls. Not for failed transfers. The hook must not
         block; an exception from it is logged and dropped. Set it before opening channels."""
         self._landed = hook
+
+    def on_layer(self, hook: LayerHook | None) -> None:
+        """Call `hook(header, layer, kv)` on the receiving thread as each layer of a payload
+        lands (P streams them while its prefill computes), so the decode worker writes it into
+        the ticket's blocks then, a layer at a time, instead of unpacking the whole payload at
+        its end. The payload still holds every layer; ReceivedKV.layers_written counts those
+        the hook took. Backends that receive a payload whole never call it. An exception from
+        the hook is logged and counts as not taken. Set it before opening channels."""
+        self._layer = hook
+
+    def _layer_landed(self, header: TransferHeader, layer: int, kv: torch.Tensor) -> bool:
+        """For the backends: `layer` of a payload is in (before its trailer). True when the
+        layer hook wrote it."""
+        hook = self._layer
+        if hook is None:
+            return False
+        try:
+            return bool(hook(header, layer, kv))
+        except Exception:  # noqa: BLE001 - the import thread unpacks (or fails) the whole payload
+            logging.getLogger(__name__).exception("the layer hook failed for ticket %d layer %d",
+                                                  header.ticket_id, layer)
+            return False
 
     def _announce(self, header: TransferHeader) -> None:
         """For the backends: a payload is complete (call before it can be polled)."""

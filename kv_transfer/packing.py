@@ -75,7 +75,8 @@ def pack_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> 
 
 
 def block_index(block_ids: Sequence[int], kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The index tensor pack_layer takes (checked once per transfer, not once per layer).
+    """The index tensor pack_layer and unpack_layer take (checked once per transfer, not once
+    per layer).
     Raises ValueError on block ids out of range or repeated."""
     shape, _ = _check_caches(kv_caches)
     return _index(block_ids, shape[1], kv_caches[0].device)
@@ -87,6 +88,17 @@ def pack_layer(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty((2, len(index), *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
     torch.index_select(_raw(cache), 1, index, out=_raw(out))
     return out
+
+
+def unpack_layer(layer_kv: torch.Tensor, cache: torch.Tensor, index: torch.Tensor) -> None:
+    """One layer's share of unpack_blocks: write `layer_kv` ([2, len(index), block, heads, dim],
+    as a layer feed carries it) into `cache` at the blocks of `index` (from block_index), in
+    place. Raises ValueError when shape or dtype do not fit."""
+    expected = (2, len(index), *cache.shape[2:])
+    if tuple(layer_kv.shape) != expected or layer_kv.dtype != cache.dtype:
+        raise ValueError(f"layer payload {tuple(layer_kv.shape)} {layer_kv.dtype} does not fit a cache "
+                         f"needing {expected} {cache.dtype}")
+    _raw(cache).index_copy_(1, index, _raw(layer_kv.to(cache.device)))
 
 
 def unpack_blocks(payload: torch.Tensor, kv_caches: Sequence[torch.Tensor],

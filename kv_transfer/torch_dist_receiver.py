@@ -2,8 +2,9 @@
 
 Lifecycle of a channel: open_channel() (sets the channel's nonce) -> thread waits for P's hello
 (connect_timeout_s) -> the hello proves the cluster secret, or the channel is dropped (logged)
--> both join the group -> per transfer: doorbell, header, payload, ack -> a ReceivedKV lands in
-the inbox that poll() drains -> until either side rings "close", or a wire error breaks it.
+-> both join the group -> per transfer: doorbell, header, payload (each layer to the layer hook
+as it lands), trailer, ack -> a ReceivedKV lands in the inbox that poll() drains -> until either
+side rings "close", or a wire error breaks it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kv_transfer.base import (
     ChannelAddress,
     KVReceiver,
     LandedHook,
+    LayerHook,
     ReceivedKV,
     TransferHeader,
     TransferResult,
@@ -65,7 +67,8 @@ class TorchDistReceiver(KVReceiver):
         # Set before the address leaves D, so P never waits for it.
         PrefixStore(address.channel_id, self._store).set(wire.NONCE_KEY, nonce)
         self._channels[address.channel_id] = _Channel(self._backend, address, nonce, self._inbox,
-                                                      self._pool, self._arrived, self._announce)
+                                                      self._pool, self._arrived, self._announce,
+                                                      self._layer_landed)
         return address
 
     def close_channel(self, address: ChannelAddress) -> None:
@@ -105,7 +108,7 @@ class _Channel:
 
     def __init__(self, backend: TorchDistBackend, address: ChannelAddress, nonce: bytes,
                  inbox: deque[ReceivedKV], pool: RecvBufferPool, arrived: threading.Event,
-                 announce: LandedHook) -> None:
+                 announce: LandedHook, layer_landed: LayerHook) -> None:
         self._backend = backend
         self._config = backend.config
         self.address = address
@@ -114,6 +117,7 @@ class _Channel:
         self._pool = pool
         self._arrived = arrived
         self._announce = announce
+        self._layer_landed = layer_landed
         self._lock = threading.Lock()
         self._seq = 0  # the ring D waits on next; guarded by _lock
         self._stopping = False
@@ -211,23 +215,39 @@ class _Channel:
         else:
             payload = empty_payload(header, device)
         trailer = torch.empty(TRAILER_LEN, dtype=torch.int64, device=device)
+        written, complete = 0, False
         try:
             if header.payload_nbytes:
                 # All posted at once (in order: gloo matches them to P's sends in order); each
                 # layer lands as P computes it (layers.py), so each is bounded on its own:
-                # within timeout_s of the one before.
+                # within timeout_s of the one before. Each goes into the ticket's blocks as it
+                # lands (the layer hook), spreading the unpack over P's forward pass instead
+                # of one copy of the whole payload on D's cores after the trailer.
                 posted = [group.recv([payload[layer]], wire.RANK_P, wire.TAG_PAYLOAD)
                           for layer in range(header.num_layers)]
-                for work in posted:
+                for layer, work in enumerate(posted):
                     wire.Deadline(self._config.timeout_s).wait(work)
+                    written += self._layer_landed(header, layer, payload[layer])
             rest = wire.Deadline(self._config.timeout_s)  # trailer and ack (P bounds its own waits)
             rest.wait(group.recv([trailer], wire.RANK_P, wire.TAG_TRAILER))
             ticket, status, first_token_id, first_token_at_us = trailer.tolist()
             if ticket != header.ticket_id:
                 raise RuntimeError(f"trailer names ticket {ticket}, header {header.ticket_id}")
-            ack = wire.ack_tensor(header.ticket_id, header.payload_nbytes, device)
-            rest.wait(group.send([ack], wire.RANK_P, wire.TAG_ACK))
+            acked = group.send([wire.ack_tensor(header.ticket_id, header.payload_nbytes, device)],
+                               wire.RANK_P, wire.TAG_ACK)
+            if status == TrailerStatus.COMPLETE:
+                header = replace(header, first_token_id=first_token_id, first_token_at_us=first_token_at_us)
+                complete = True
+                # On this thread and before the ack's send completes: the first token goes
+                # one wire wait sooner, and before the importer wakes.
+                self._announce(header)
+            rest.wait(acked)
         except Exception as e:  # noqa: BLE001 - gloo/nccl errors fail this ticket
+            if complete:  # only the ack failed: every byte is here and the first token may be out
+                log.warning("kv channel %s: ticket %d arrived whole but its ack failed after %.2fs: %s",
+                            self.address.channel_id, header.ticket_id, deadline.elapsed(), e)
+                self._deliver(header, payload, deadline, written)
+                return False
             error = (f"receiving ticket {header.ticket_id} on channel {self.address.channel_id} "
                      f"failed after {deadline.elapsed():.2f}s: {e}")
             result = TransferResult(header.ticket_id, TransferState.FAILED, 0,
@@ -236,21 +256,23 @@ class _Channel:
             self._inbox.append(ReceivedKV(header, None, result))
             self._arrived.set()
             return False
-        if status != TrailerStatus.COMPLETE:  # P's request ended mid-transfer: nothing to import
+        if not complete:  # P's request ended mid-transfer: nothing to import
             self._pool.put(payload)
             result = TransferResult(header.ticket_id, TransferState.FAILED, 0, deadline.elapsed(),
                                     f"the prefill worker cancelled ticket {header.ticket_id} mid-transfer")
             self._inbox.append(ReceivedKV(header, None, result))
             self._arrived.set()
             return True
-        header = replace(header, first_token_id=first_token_id, first_token_at_us=first_token_at_us)
-        self._announce(header)  # on this thread: the first token goes before the importer wakes
-        result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
-                                deadline.elapsed())
-        self._inbox.append(ReceivedKV(header, payload, result))
-        self._arrived.set()
+        self._deliver(header, payload, deadline, written)
         return True
 
+    def _deliver(self, header: TransferHeader, payload: torch.Tensor, deadline: wire.Deadline,
+                 written: int) -> None:
+        """A whole payload (its first token in `header`, announced) into the inbox."""
+        result = TransferResult(header.ticket_id, TransferState.DONE, header.payload_nbytes,
+                                deadline.elapsed())
+        self._inbox.append(ReceivedKV(header, payload, result, written))
+        self._arrived.set()
 
 def _forget(store: Store | None, keys: tuple[str, ...]) -> None:
     for key in keys if store is not None else ():
