@@ -1,7 +1,8 @@
 """TEST DOUBLES of the prefill and decode workers that answer at once — for
 benchmarks/router_overhead.py only, never for serving.
 
-They speak the real worker protos over real gRPC and register in Redis with real heartbeats
+They speak the real worker protos over real gRPC and over the worker link (proto/link, as real
+workers serve both), and register in Redis with real heartbeats
 (worker_runtime.heartbeat.HeartbeatPublisher + WorkerInfo), so the real router routes to them as to
 real workers; but they compute nothing and hold no KV. What is left of a request's latency is
 the router's own work (HTTP, validation, tokenization, routing, gRPC fan-out, detokenization,
@@ -15,7 +16,8 @@ doubles directly.
 
 Run as a process (what router_overhead.py does):
     python benchmarks/instant_workers.py --redis-url redis://127.0.0.1:PORT/0 --ready-file F
-It writes "PREFILL_ADDRESS DECODE_ADDRESS" to F once both serve and are registered, and runs
+It writes "PREFILL_ADDRESS DECODE_ADDRESS PREFILL_LINK DECODE_LINK" to F once both serve and are
+registered, and runs
 until SIGINT/SIGTERM, then unregisters. Like real workers they need the cluster secret
 ($PDSERVE_CLUSTER_SECRET or _FILE) and refuse calls that do not prove it.
 """
@@ -38,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from worker_runtime.heartbeat import HeartbeatPublisher  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
 from proto.internal_auth import ClusterAuthServerInterceptor, require_cluster_secret  # noqa: E402
+from proto.link import LinkServer  # noqa: E402
+from proto.link import methods as link_methods  # noqa: E402
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.cluster.keys import WorkerInfo  # noqa: E402
 
@@ -109,34 +113,38 @@ def _load(worker_id: str, incarnation: str, role: str) -> worker_pb2.LoadReport:
                                  total_blocks=TOTAL_BLOCKS, free_blocks=TOTAL_BLOCKS)
 
 
-def worker_info(worker_id: str, role: str, address: str, incarnation: str) -> WorkerInfo:
+def worker_info(worker_id: str, role: str, address: str, incarnation: str, link_address: str = "") -> WorkerInfo:
     return WorkerInfo(
         worker_id=worker_id, role=role, address=address, metrics_address="", incarnation=incarnation,
         block_size=BLOCK_SIZE, total_blocks=TOTAL_BLOCKS, free_blocks=TOTAL_BLOCKS, reserved_blocks=0,
         cached_blocks=0, num_running=0, num_waiting=0, queued_prefill_tokens=0, max_model_len=MAX_MODEL_LEN,
-        updated_at=time.time())
+        updated_at=time.time(), link_address=link_address)
 
 
 async def serve(args: argparse.Namespace) -> None:
     incarnation = uuid.uuid4().hex
     # They check the cluster secret as real workers do, so the router pays the same cost.
-    auth = [ClusterAuthServerInterceptor(require_cluster_secret("instant workers"))]
+    secret = require_cluster_secret("instant workers")
+    auth = [ClusterAuthServerInterceptor(secret)]
     prefill_server, decode_server = grpc.aio.server(interceptors=auth), grpc.aio.server(interceptors=auth)
     prefill_port = prefill_server.add_insecure_port("127.0.0.1:0")
     decode_port = decode_server.add_insecure_port("127.0.0.1:0")
     prefill_addr, decode_addr = f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}"
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        InstantPrefillWorkerDouble("instant-prefill-0", incarnation, args.token_id), prefill_server)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        InstantDecodeWorkerDouble("instant-decode-0", decode_addr, incarnation, args.token_id), decode_server)
+    prefill = InstantPrefillWorkerDouble("instant-prefill-0", incarnation, args.token_id)
+    decode = InstantDecodeWorkerDouble("instant-decode-0", decode_addr, incarnation, args.token_id)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, prefill_server)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, decode_server)
+    links = [LinkServer(secret, prefill, (link_methods.PREFILL, link_methods.ABORT), "127.0.0.1", 0),
+             LinkServer(secret, decode, (link_methods.DECODE, link_methods.ABORT), "127.0.0.1", 0)]
     await prefill_server.start()
     await decode_server.start()
+    prefill_link, decode_link = [f"127.0.0.1:{await link.start()}" for link in links]
     beats = [
         HeartbeatPublisher(args.redis_url, args.cluster,
-                           lambda: worker_info("instant-prefill-0", "prefill", prefill_addr, incarnation),
+                           lambda: worker_info("instant-prefill-0", "prefill", prefill_addr, incarnation, prefill_link),
                            secret=load_cluster_secret()),
         HeartbeatPublisher(args.redis_url, args.cluster,
-                           lambda: worker_info("instant-decode-0", "decode", decode_addr, incarnation),
+                           lambda: worker_info("instant-decode-0", "decode", decode_addr, incarnation, decode_link),
                            secret=load_cluster_secret()),
     ]
     for beat in beats:
@@ -146,7 +154,7 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if args.ready_file:
-        Path(args.ready_file).write_text(f"{prefill_addr} {decode_addr}\n")
+        Path(args.ready_file).write_text(f"{prefill_addr} {decode_addr} {prefill_link} {decode_link}\n")
     try:
         await stop.wait()
     finally:
@@ -154,6 +162,8 @@ async def serve(args: argparse.Namespace) -> None:
             beat.stop()
         await prefill_server.stop(grace=1)
         await decode_server.stop(grace=1)
+        for link in links:
+            await link.stop(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,23 +1,25 @@
 """Requests/s a router sustains and the latency it adds, with workers that answer at once:
-pdserve (one process and --router-workers 2) side by side with the Rust routers users pick
-instead (sglang-router, vllm-router), same client, same prompts, same cores, one run.
+pdserve (one process, --router-workers 2, and its calls to workers over gRPC instead of the
+worker link) side by side with the Rust routers users pick instead (sglang-router,
+vllm-router), same client, same prompts, same cores, one run.
 
     .venv/bin/python benchmarks/router_overhead.py [--concurrency 1,4,16] [--requests 300]
-        [--routers pdserve,pdserve-x2,sglang-router,vllm-router] ...
+        [--routers pdserve,pdserve-x2,pdserve-grpc,sglang-router,vllm-router] ...
 
 Method (printed with the results too):
 
 - Workers: TEST DOUBLES that answer every call at once. pdserve's: benchmarks/instant_workers.py,
-  one prefill and one decode over real gRPC, registered in a real (embedded) Redis with real
-  heartbeats, read by the real `pdserve router` process. The Rust routers': the HTTP twins in
+  one prefill and one decode serving real gRPC and the real worker link (proto/link), registered
+  in a real (embedded) Redis with real heartbeats, read by the real `pdserve router` process
+  (pdserve-grpc: `--worker-link false`, its calls over gRPC as before the link). The Rust routers': the HTTP twins in
   benchmarks/instant_http_workers.py (same tokens), each router in its prefill/decode mode
   (benchmarks/router_peers.py).
 - Router path: pdserve bench's library (httpx, streamed /v1/completions, ignore_eos, the
   random dataset's prompts of --input-len tokens, --output-len tokens each) at each
   concurrency, all requests queued at once (closed loop: at most C in flight).
-- Direct path, per kind of double: gRPC: the calls pdserve's router makes (already tokenized),
-  straight from this process with grpc.aio: Decode (read the ticket), Prefill, then the rest
-  of the Decode stream. HTTP: a prefill POST (max_tokens 1), then the streamed decode POST,
+- Direct path, per kind of double: link / gRPC: the calls pdserve's router makes (already
+  tokenized), straight from this process over the worker link / grpc.aio: Decode (read the
+  ticket), Prefill, then the rest of the Decode stream. HTTP: a prefill POST (max_tokens 1), then the streamed decode POST,
   with httpx. Same concurrency and count.
 - Latency: send to last token, per request; router-added = router path minus its direct path
   at the same percentile. req/s = requests / wall time of the run. The client runs on the
@@ -60,12 +62,15 @@ from pdserve.bench.runner import RunSettings, run_benchmark  # noqa: E402
 from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets  # noqa: E402
 from proto.auth import load_cluster_secret  # noqa: E402
 from proto.internal_auth import internal_channel  # noqa: E402
+from proto.link import LinkChannel, LinkDecodeStub, LinkPrefillStub  # noqa: E402
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 CLUSTER = "router-overhead"
-ROUTERS = ("pdserve", "pdserve-x2", *RUST_ROUTERS)
-"""pdserve-x2: `pdserve router --router-workers 2`."""
+ROUTERS = ("pdserve", "pdserve-x2", "pdserve-grpc", *RUST_ROUTERS)
+"""pdserve-x2: `pdserve router --router-workers 2`; pdserve-grpc: `--worker-link false`."""
+OURS = ("pdserve", "pdserve-x2")
+"""The routers the goals are about (pdserve-grpc is the link's baseline)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,8 @@ def start_pdserve(name: str, redis_url: str, tmp: Path, source: str | None = Non
            "--redis-url", redis_url, "--cluster", CLUSTER, "--ready-file", str(ready), "--log-level", "WARNING"]
     if name == "pdserve-x2":
         cmd += ["--router-workers", "2"]
+    if name == "pdserve-grpc":
+        cmd += ["--worker-link", "false"]
     root = Path(source).resolve() if source else REPO_ROOT
     with log.open("w") as out:
         process = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
@@ -147,7 +154,8 @@ def start_pdserve(name: str, redis_url: str, tmp: Path, source: str | None = Non
         raise
     base = f"http://127.0.0.1:{http_port}"
     model = asyncio.run(first_model(base, {}))
-    return Started(name, process, Endpoint(f"{base}/v1/completions", model, ignore_eos=True), "grpc", log)
+    return Started(name, process, Endpoint(f"{base}/v1/completions", model, ignore_eos=True),
+                   "grpc" if name == "pdserve-grpc" else "link", log)
 
 
 # ------------------------------------------------------------------ the paths
@@ -175,10 +183,15 @@ async def direct_call(prefill, decode, request_id: str, prompt_ids: list[int], m
 
 
 async def direct_path(addresses: tuple[str, str], prompts: list[list[int]], max_tokens: int, concurrency: int,
-                      tag: str) -> PathRun:
+                      tag: str, link: bool = False) -> PathRun:
+    """The router's calls made from here over gRPC, or over the worker link (`link`)."""
     secret = load_cluster_secret()  # what the router proves too: the comparison stays fair
-    async with internal_channel(addresses[0], secret) as p_chan, internal_channel(addresses[1], secret) as d_chan:
-        prefill, decode = worker_pb2_grpc.PrefillWorkerStub(p_chan), worker_pb2_grpc.DecodeWorkerStub(d_chan)
+    channel = LinkChannel if link else internal_channel
+    async with channel(addresses[0], secret) as p_chan, channel(addresses[1], secret) as d_chan:
+        if link:
+            prefill, decode = LinkPrefillStub(p_chan), LinkDecodeStub(d_chan)
+        else:
+            prefill, decode = worker_pb2_grpc.PrefillWorkerStub(p_chan), worker_pb2_grpc.DecodeWorkerStub(d_chan)
         queue = list(enumerate(prompts))
         latencies: list[float] = []
         failed = 0
@@ -189,7 +202,7 @@ async def direct_path(addresses: tuple[str, str], prompts: list[list[int]], max_
                 i, ids = queue.pop(0)
                 try:
                     latencies.append(await direct_call(prefill, decode, f"{tag}-{i}", ids, max_tokens))
-                except grpc.aio.AioRpcError:
+                except grpc.aio.AioRpcError:  # a link call's error is one too
                     failed += 1
 
         cpu0, start = time.process_time(), time.perf_counter()
@@ -216,6 +229,8 @@ class Measured:
 class Doubles:
     grpc: tuple[str, str]
     """(prefill, decode) gRPC addresses."""
+    link: tuple[str, str]
+    """(prefill, decode) worker link addresses."""
     http: tuple[str, str]
     """(prefill, decode) base URLs."""
 
@@ -228,7 +243,7 @@ async def measure_all(args, routers: list[Started], doubles: Doubles, tokenizer)
     warm, timed = requests[:args.warmup], requests[args.warmup:]
     results = []
     for c in args.concurrency:
-        direct: dict[str, list[PathRun]] = {"grpc": [], "http": []}
+        direct: dict[str, list[PathRun]] = {"link": [], "grpc": [], "http": []}
         runs: dict[str, list[PathRun]] = {r.name: [] for r in routers}
         for k in range(args.rounds):
             await measure_round(args, routers, doubles, prompts, warm, timed, c, f"c{c}r{k}", direct, runs)
@@ -241,10 +256,13 @@ async def measure_round(args, routers: list[Started], doubles: Doubles, prompts:
                        warm: list[SampleRequest], timed: list[SampleRequest], c: int, tag: str,
                        direct: dict[str, list[PathRun]], runs: dict[str, list[PathRun]]) -> None:
     """Each direct path, then each router, once at concurrency c (appended to direct / runs)."""
-    if any(r.direct == "grpc" for r in routers):
-        if warm:
-            await direct_path(doubles.grpc, prompts[:args.warmup], args.output_len, c, f"w{tag}")
-        direct["grpc"].append(await direct_path(doubles.grpc, prompts[args.warmup:], args.output_len, c, tag))
+    for kind, addresses in (("link", doubles.link), ("grpc", doubles.grpc)):
+        if any(r.direct == kind for r in routers):
+            link = kind == "link"
+            if warm:
+                await direct_path(addresses, prompts[:args.warmup], args.output_len, c, f"w{kind}{tag}", link)
+            direct[kind].append(await direct_path(addresses, prompts[args.warmup:], args.output_len, c,
+                                                  f"{kind}{tag}", link))
     if any(r.direct == "http" for r in routers):
         if warm:
             await direct_http_path(*doubles.http, HTTP_DOUBLE_MODEL, warm, c)
@@ -285,7 +303,7 @@ def goal_lines(results: list[Measured]) -> list[str]:
     top, low = max(m.concurrency for m in results), min(m.concurrency for m in results)
     at = {(m.router, m.concurrency): m for m in results}
     lines = []
-    for ours in ("pdserve", "pdserve-x2"):
+    for ours in OURS:
         for peer in RUST_ROUTERS:
             if (ours, top) in at and (peer, top) in at:
                 ratio = at[ours, top].run.req_per_s / at[peer, top].run.req_per_s
@@ -297,6 +315,12 @@ def goal_lines(results: list[Measured]) -> list[str]:
             added = m.run.percentile_ms(50) - m.direct.percentile_ms(50)
             lines.append(f"{ours} added p50 at {low} in flight: {added:.2f} ms "
                          f"({'met' if added <= 1.0 else 'NOT MET'}; goal <= 1 ms)")
+    if ("pdserve", top) in at and ("pdserve-grpc", top) in at:
+        a, b = at["pdserve", top], at["pdserve-grpc", top]
+        cpu = [1e3 * m.run.router_cpu_s / max(1, len(m.run.latencies_s)) for m in (a, b)]
+        lines.append(f"pdserve (worker link) / pdserve-grpc req/s at {top} in flight: "
+                     f"{a.run.req_per_s / b.run.req_per_s:.2f}x{round_spread(a, b)}; router CPU per request "
+                     f"{cpu[0]:.2f} vs {cpu[1]:.2f} ms")
     return lines
 
 
@@ -311,12 +335,14 @@ def method_lines(args, skipped: list[str]) -> list[str]:
         f"{args.requests} timed requests per path and concurrency after {args.warmup} untimed, "
         f"{args.rounds} round(s) (routers take turns in each; the table merges the rounds); prompts of "
         f"{args.input_len} tokens (random dataset, seed {args.seed}), {args.output_len} output tokens, ignore_eos.",
-        "pdserve: the real `pdserve router` (pdserve-x2: --router-workers 2) in front of "
-        "benchmarks/instant_workers.py gRPC doubles (1 prefill + 1 decode) registered in an embedded Redis; "
+        "pdserve: the real `pdserve router` (pdserve-x2: --router-workers 2; pdserve-grpc: --worker-link false) "
+        "in front of benchmarks/instant_workers.py doubles (1 prefill + 1 decode, serving gRPC and the worker "
+        "link) registered in an embedded Redis; "
         "sglang-router / vllm-router: their prefill/decode modes in front of benchmarks/instant_http_workers.py "
         "HTTP doubles (same tokens, answered at once).",
-        "router path: pdserve bench library (httpx, streamed /v1/completions). direct path for the gRPC doubles: "
-        "the router's own gRPC calls (Decode -> ticket, Prefill, rest of the Decode stream) with grpc.aio; for the "
+        "router path: pdserve bench library (httpx, streamed /v1/completions). direct path for pdserve's doubles: "
+        "the router's own calls (Decode -> ticket, Prefill, rest of the Decode stream) over the worker link "
+        "(pdserve, pdserve-x2) or grpc.aio (pdserve-grpc); for the "
         "HTTP doubles: prefill POST (max_tokens 1) then the streamed decode POST with httpx.",
         "latency: send to last token; added = router path - its direct path at that percentile; "
         "req/s = requests / wall seconds; router CPU % = the router's processes' CPU over its run "
@@ -361,7 +387,8 @@ def start_doubles(stack: contextlib.ExitStack, redis_url: str, tmp: Path) -> Dou
     http_doubles = subprocess.Popen([sys.executable, str(script / "instant_http_workers.py"),
                                      "--ready-file", str(http_ready)], cwd=REPO_ROOT)
     stack.callback(stop, http_doubles)
-    return Doubles(tuple(_wait_for_file(grpc_ready, grpc_doubles, "instant gRPC doubles").split()),
+    prefill, decode, prefill_link, decode_link = _wait_for_file(grpc_ready, grpc_doubles, "instant doubles").split()
+    return Doubles((prefill, decode), (prefill_link, decode_link),
                    tuple(_wait_for_file(http_ready, http_doubles, "instant HTTP doubles").split()))
 
 

@@ -44,7 +44,7 @@ class Started:
     process: subprocess.Popen
     endpoint: Endpoint
     direct: str
-    """Which doubles it fronts: "grpc" or "http"."""
+    """Which direct path it is measured against: "link" or "grpc" (pdserve's doubles) or "http"."""
     log: Path = field(default=Path())
 
     def cpu_s(self) -> float:

@@ -52,7 +52,7 @@ LIMIT_FLAGS = ("max_request_bytes", "max_n")
 """Request limits, checked before any work; `pdserve up` passes them on like ROUTING_FLAGS."""
 DEADLINE_FLAGS = ("prefill_timeout", "stream_idle_timeout")
 """Deadlines of the router's calls to workers (router.routing.worker_calls.WorkerTimeouts)."""
-ROUTING_FLAGS += LIMIT_FLAGS + DEADLINE_FLAGS + ("colocated",)  # `up --colocated` tells its router (/ready)
+ROUTING_FLAGS += LIMIT_FLAGS + DEADLINE_FLAGS + ("colocated", "worker_link")  # `up --colocated` tells its router (/ready)
 
 
 def _true_or_false(text: str) -> bool:
@@ -107,6 +107,9 @@ def add_deadline_args(g) -> None:
     g.add_argument("--stream-idle-timeout", type=float, default=WorkerTimeouts.stream_idle_s,
                    help="seconds a decode worker may send nothing on a request's stream (its ticket "
                         "included) before the request ends with an explicit error")
+    g.add_argument("--worker-link", nargs="?", const=True, default=True, type=_true_or_false,
+                   help="send Decode, Prefill and Abort over the workers' links (one multiplexed connection "
+                        "per worker; a tenth of a gRPC call's CPU) where they serve one; false: over gRPC")
 
 
 def add_admin_args(g) -> None:

@@ -81,7 +81,7 @@ def build_service(args: argparse.Namespace):
                              admission=admission, route_request=builder,
                              timeouts=WorkerTimeouts(prefill_s=args.prefill_timeout,
                                                      stream_idle_s=args.stream_idle_timeout),
-                             secret=secret)
+                             secret=secret, use_links=args.worker_link)
     backend.kv_reader = kv_reader
     limits = RequestLimits(max_n=args.max_n, max_sequences=max(RequestLimits.max_sequences, args.max_n))
     service = RouterService(tokenizer, backend, name, max_model_len, limits=limits,
@@ -256,8 +256,11 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
                                         roles=roles, admin_access=admin_access)
     grpc_port = grpc_door.port
     # log_config None: uvicorn's loggers propagate to ours (named, text or JSON), not a handler of its own
+    from router.api.http_transport import http_protocol
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", log_config=None,
-                            access_log=False)  # one log call per request for a line nobody sees at WARNING
+                            access_log=False,  # one log call per request for a line nobody sees at WARNING
+                            http=http_protocol())  # a send() per loop pass, not per ASGI message
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we handle signals below
     from pdserve.router_workers import WORKER_HEADER, http_sockets, start_router_processes  # --- router workers

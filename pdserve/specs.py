@@ -103,7 +103,8 @@ _LOGGING_FIELDS = ("log_format", "log_stats_interval_s")
 _PLANNER_FIELDS = ("slo_ttft_ms", "slo_itl_ms", "plan_window_s", "plan_target_utilization", "autoscale",
                    "autoscale_interval_s", "autoscale_cooldown_s", "autoscale_min_prefill", "autoscale_max_prefill",
                    "autoscale_min_decode", "autoscale_max_decode")
-_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", "timeline_capacity", *_LOGGING_FIELDS,
+_ROUTER_ONLY_IF_SET = frozenset({"scaler", "max_replicas", "router_workers", "timeline_capacity", "worker_link",
+                                 *_LOGGING_FIELDS,
                                  *_PLANNER_FIELDS})
 
 
@@ -151,6 +152,9 @@ class WorkerSpec:
     """gRPC port (0: any free port)."""
     metrics_port: int = 0
     """HTTP port of /metrics and the probes /livez, /readyz, /startupz (0: any free port)."""
+    link_port: int = 0
+    """Port of the worker link (proto/link), the routers' request plane for Decode, Prefill and
+    Abort (0: any free port; -1: no link, routers call those over gRPC too)."""
     redis_url: str | None = None
     """Cluster state (heartbeats, block events); None: the worker does not register."""
     cluster: str = "default"
@@ -179,6 +183,9 @@ class WorkerSpec:
             raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}; got {self.role!r}")
         for name in ("port", "metrics_port"):
             _check_port(name, getattr(self, name))
+        if self.link_port != -1 and (isinstance(self.link_port, bool) or not isinstance(self.link_port, int)
+                                     or not 0 <= self.link_port <= 65535):
+            raise ValueError(f"link_port must be 0..65535, or -1 for no link; got {self.link_port!r}")
         _check_positive(self, "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s",
                         "kv_snapshot_interval_s", "liveness_stall_s")
         _check_advertised(self.advertised_host, "advertise_host" if self.advertise_host is not None else "host")
@@ -206,7 +213,8 @@ class WorkerSpec:
     def to_argv(self) -> list[str]:
         """`pdserve <role> ...`: the arguments (after the program) that run this spec."""
         argv = [self.role, "--host", self.host, "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--cluster", self.cluster,
+                "--metrics-port", str(self.metrics_port), "--link-port", str(self.link_port),
+                "--cluster", self.cluster,
                 "--kv-transfer", self.kv_transfer, "--transfer-timeout", str(self.transfer_timeout_s),
                 "--heartbeat-interval", str(self.heartbeat_interval_s),
                 "--heartbeat-ttl", str(self.heartbeat_ttl_s),
@@ -262,6 +270,9 @@ class RouterSpec:
     """One prefill worker's deadline for a request (router.routing.worker_calls.WorkerTimeouts)."""
     stream_idle_timeout_s: float = 30.0
     """Longest a decode stream may send nothing before the request ends with an error."""
+    worker_link: bool = True
+    """Decode, Prefill and Abort over the workers' links (proto/link) where they serve one;
+    False: over gRPC (router.routing.worker_client)."""
     scaler: str = "none"
     """"none" or a name in pdserve.scalers.SCALERS: what answers PUT /v1/roles/{role}."""
     max_replicas: int = 16

@@ -28,6 +28,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     g.add_argument("--metrics-port", type=int, default=0,
                    help="HTTP port of /metrics and /livez, /readyz, /startupz (0: any free port)")
+    g.add_argument("--link-port", type=int, default=0,
+                   help="port of the worker link, the routers' request plane (0: any free port; -1: none, "
+                        "routers then call over gRPC)")
     g.add_argument("--redis-url", type=parse_redis_url, default=None,
                    help="cluster state (heartbeats); none: no registration")
     g.add_argument("--cluster", default="default", help="cluster name (Redis key prefix)")
@@ -96,7 +99,8 @@ def preflight(role: str, spec: WorkerSpec) -> int | None:
     """What the worker would refuse after loading its model, checked before (pdserve.preflight):
     None when all is well, else the exit code after one line on stderr, no traceback: 2 for an
     engine setting, 1 for a port that is taken or Redis credentials that cannot be read."""
-    problem = port_problem(spec.host, (("--port", spec.port), ("--metrics-port", spec.metrics_port)))
+    problem = port_problem(spec.host, (("--port", spec.port), ("--metrics-port", spec.metrics_port),
+                                          *((("--link-port", spec.link_port),) if spec.link_port > 0 else ())))
     if problem is not None or (spec.redis_url and (problem := redis_auth_problem()) is not None):
         print(f"pdserve {role}: {problem}", file=sys.stderr, flush=True)
         return 1

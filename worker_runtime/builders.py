@@ -20,6 +20,7 @@ from prefill_worker.openings import CHANNEL_LANES
 from prefill_worker.servicer import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
 from proto.internal_auth import internal_channel
+from proto.link import methods as link_methods
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_runtime.roles import RoleDef
 
@@ -91,6 +92,7 @@ PREFILL = RoleDef(
     servicer=PrefillWorkerServicer,
     make_servicer=prefill_servicer,
     add_to_server=worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+    link_methods=(link_methods.PREFILL, link_methods.ABORT),
 )
 DECODE = RoleDef(
     name="decode",
@@ -99,4 +101,5 @@ DECODE = RoleDef(
     servicer=DecodeWorkerServicer,
     make_servicer=decode_servicer,
     add_to_server=worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+    link_methods=(link_methods.DECODE, link_methods.ABORT),
 )

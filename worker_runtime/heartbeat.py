@@ -53,8 +53,9 @@ return 0
 """
 
 
-def heartbeat_info(status: WorkerStatus, address: str, metrics_address: str) -> WorkerInfo:
-    """The heartbeat of a worker whose status is `status`, serving gRPC on `address`.
+def heartbeat_info(status: WorkerStatus, address: str, metrics_address: str, link_address: str = "") -> WorkerInfo:
+    """The heartbeat of a worker whose status is `status`, serving gRPC on `address` (and its
+    worker link on `link_address`, "" for none).
     A DRAINING worker is published as "draining" (routers choose it no more); any other
     state as "serving" (a heartbeat is written only while the worker is registered)."""
     s = status.core
@@ -67,7 +68,7 @@ def heartbeat_info(status: WorkerStatus, address: str, metrics_address: str) -> 
         state="draining" if status.state.value == "draining" else "serving",  # WorkerState.DRAINING
         prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
         prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
-        prefill_busy_s=s.prefill_busy_s, decode_busy_s=s.decode_busy_s,
+        prefill_busy_s=s.prefill_busy_s, decode_busy_s=s.decode_busy_s, link_address=link_address,
     )
 
 

@@ -3,6 +3,7 @@
 `WorkerProcess(spec, secret).run()` builds the role's worker (worker_runtime/roles.py), then
 
     STARTING  gRPC server (cluster-auth interceptor; health and reflection open for probes),
+              the worker link (proto/link: the routers' request plane, the same servicer),
               /metrics and the probes (probes.py), heartbeat and block events into Redis,
               the ready file
       -> SERVING   until the first SIGTERM/SIGINT, or a Drain RPC (the servicer's request_drain)
@@ -10,7 +11,7 @@
                    health NOT_SERVING; one router snapshot period later (routers have stopped
                    choosing it) the worker drains: in-flight requests finish, or end with an
                    explicit error past spec.drain_timeout_s
-      -> STOPPED   gRPC server stopped (grace), heartbeat stopped (its Redis entry deleted),
+      -> STOPPED   gRPC server and link stopped (grace), heartbeat stopped (its Redis entry deleted),
                    block events stopped, worker stopped; run() returns 0
     A second signal during the drain stops at once (in-flight calls end CANCELLED); run()
     returns 1. SIGINT and SIGTERM are the same here: a supervisor should start workers in their
@@ -37,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.internal_auth import ClusterAuthServerInterceptor
+from proto.link import LinkServer
 from proto.log_context import set_identity
 from proto.limits import grpc_message_options
 from worker_runtime.metrics import WorkerCollector, capacity_metrics, serve_metrics, served_model_name
@@ -79,12 +81,15 @@ class WorkerProcess:
         self.state = WorkerState.STARTING
         self.worker = None
         self.address: str | None = None
+        self.link_address = ""
+        """host:port of the worker link once serving; "" without one (spec.link_port -1)."""
         self.metrics_port: int | None = None
         self.drain_result: DrainResult | None = None
         self.probes: WorkerProbes | None = None
         """/startupz, /livez, /readyz on the metrics port; set once that server starts."""
         self._grpc_serving = False
         self._server: grpc.aio.Server | None = None
+        self._link: LinkServer | None = None
         self._health = None
         self._metrics_server = None
         self._heartbeat = None
@@ -205,13 +210,17 @@ class WorkerProcess:
                                        options=grpc_message_options())
         port = self._server.add_insecure_port(f"{spec.host}:{spec.port}")
         self.address = f"{spec.advertised_host}:{port}"  # what peers dial; the bind may be 0.0.0.0
-        self.role.add_to_server(self._servicer(), self._server)
+        servicer = self._servicer()
+        self.role.add_to_server(servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (self.role.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self._start_metrics()
         await self._server.start()
+        if spec.link_port >= 0 and self.role.link_methods:
+            self._link = LinkServer(self._secret, servicer, self.role.link_methods, spec.host, spec.link_port)
+            self.link_address = f"{spec.advertised_host}:{await self._link.start()}"
         self._grpc_serving = True
         if self.state is WorkerState.STARTING:  # a Drain call may have come in the moment the server started
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -255,7 +264,7 @@ class WorkerProcess:
 
         metrics_address = f"{spec.advertised_host}:{self.metrics_port}"
         self._heartbeat = HeartbeatPublisher(  # Redis credentials: from the environment
-            spec.redis_url, spec.cluster, lambda: heartbeat_info(self.status(), self.address, metrics_address),
+            spec.redis_url, spec.cluster, lambda: heartbeat_info(self.status(), self.address, metrics_address, self.link_address),
             interval_s=spec.heartbeat_interval_s, ttl_s=spec.heartbeat_ttl_s, secret=self._secret)
         self._heartbeat.start()
         self._kv_events = KVEventPublisher(
@@ -271,9 +280,9 @@ class WorkerProcess:
                 f.write(f"{port} {self.metrics_port}\n")
         # The one start line (a supervisor does not repeat it): a log line, not a print, so it is
         # named and formatted like every other line of the worker.
-        logger.info("%s worker %s serving: gRPC %s, metrics http://%s:%d/metrics (pid %d, started in %.1f s)",
+        logger.info("%s worker %s serving: gRPC %s, metrics http://%s:%d/metrics, link %s (pid %d, started in %.1f s)",
                     self.spec.role, self.worker.worker_id, self.address, self.spec.advertised_host,
-                    self.metrics_port, os.getpid(), time.monotonic() - self._created)
+                    self.metrics_port, self.link_address or "none", os.getpid(), time.monotonic() - self._created)
 
     async def _shutdown(self) -> None:
         """Stop in dependency order, each step bounded: calls first, then the Redis entries,
@@ -281,8 +290,9 @@ class WorkerProcess:
         if self._drain_task is not None and not self._drain_task.done():
             self._drain_task.cancel()
             await asyncio.gather(self._drain_task, return_exceptions=True)
-        if self._server is not None:
-            await self._server.stop(grace=0 if self._forced else STOP_GRACE_S)
+        grace = 0 if self._forced else STOP_GRACE_S
+        stops = [s.stop(grace) for s in (self._server, self._link) if s is not None]
+        await asyncio.gather(*stops)
         for publisher in (self._heartbeat, self._kv_events, self._stats_log):
             if publisher is not None:
                 await asyncio.to_thread(publisher.stop)

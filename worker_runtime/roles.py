@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from engine.registry import Registry
 
 if TYPE_CHECKING:
+    from proto.link.methods import LinkMethod
     from pdserve.specs import WorkerSpec
     from worker_runtime.status import Worker
 
@@ -40,6 +41,8 @@ class RoleDef:
     """(worker, the worker's own gRPC host:port, the process's drain hook) -> the servicer."""
     add_to_server: Callable[[Any, Any], None]
     """The generated add_<Service>Servicer_to_server(servicer, server)."""
+    link_methods: tuple[LinkMethod, ...] = ()
+    """The servicer's methods the worker link serves (proto/link: the routers' request plane)."""
 
 
 WORKER_ROLE_REGISTRY: Registry[RoleDef] = Registry("worker role")

@@ -30,6 +30,8 @@ class Tokenizer:
         self._backend = backend
         self._meta = meta
         self._special_ids = special_ids(backend)
+        # encode_batch_fast: tokenizers >= 0.21; older ones have only encode_batch.
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -51,10 +53,12 @@ class Tokenizer:
         """Token ids of `text`. `add_special_tokens` adds BOS (and EOS) only where the model's
         metadata asks for it; special tokens written in `text` are always recognised.
         """
-        # encode_batch, not encode: the `tokenizers` binding releases the GIL only in the batch
-        # call, so a large prompt tokenized in a worker thread does not stall the event loop
+        # A batch call, not encode: the `tokenizers` binding releases the GIL only in the batch
+        # calls, so a large prompt tokenized in a worker thread does not stall the event loop
         # (measured: a 1.9 MB prompt held the router's loop for 5 s with encode, 0.2 s with this).
-        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        # The _fast one skips character offsets, which nothing here reads: ~30 instead of ~42 us
+        # for a 32-token prompt, on every request's path in the router.
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form complete UTF-8 characters come out as U+FFFD."""

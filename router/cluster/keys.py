@@ -29,6 +29,7 @@ __all__ = [
     "ROLES",
     "BUSY_SIGNATURE_FIELD",
     "COUNTERS_SIGNATURE_FIELD",
+    "LINK_SIGNATURE_FIELD",
     "SIGNATURE_FIELD",
     "ClusterSnapshot",
     "UnsignedEntry",
@@ -146,6 +147,10 @@ class WorkerInfo:
     prefill throughput while busy (the planner's measure; idle time does not dilute it)."""
     decode_busy_s: float = 0.0
     """Seconds its engine spent generating: generation_tokens / decode_busy_s while busy."""
+    link_address: str = ""
+    """host:port of its worker link (proto/link), the request plane routers use for Decode,
+    Prefill and Abort; "" when it serves none (an earlier release, or --link-port -1): routers
+    then make those calls over gRPC at `address`."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -166,6 +171,8 @@ class WorkerInfo:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"worker {self.worker_id!r}: {name} must be a finite number >= 0; got {value!r}")
+        if self.link_address and ":" not in self.link_address:
+            raise ValueError(f"worker {self.worker_id!r}: link_address must be host:port; got {self.link_address!r}")
         if self.state not in WORKER_STATES:
             raise ValueError(f"worker {self.worker_id!r}: state must be one of {', '.join(WORKER_STATES)}; "
                              f"got {self.state!r}")
@@ -243,7 +250,9 @@ _INT_FIELDS = frozenset(
     }
 ) - frozenset(_BUSY_FIELDS)
 _FLOAT_FIELDS = frozenset({"updated_at", *_BUSY_FIELDS})
-_OPTIONAL_FIELDS = frozenset({"state", *_COUNTER_FIELDS, *_BUSY_FIELDS})
+_LINK_FIELDS = ("link_address",)
+"""Came after the busy seconds, signed by LINK_SIGNATURE_FIELD."""
+_OPTIONAL_FIELDS = frozenset({"state", *_COUNTER_FIELDS, *_BUSY_FIELDS, *_LINK_FIELDS})
 
 
 def _text(value: bytes | str) -> str:
@@ -300,23 +309,45 @@ BUSY_SIGNATURE_FIELD = "busy_signature"
 """The HMAC of every field, the busy seconds included. Their own signature for the same reason
 as the counters': a router of the release before them verifies `counters_signature` over the
 fields it knows and would refuse the heartbeat if the new fields were folded into it."""
-_SIGNATURE_DOMAIN = "pdserve-heartbeat-v1"
-"""Signed first, so a heartbeat signature is never valid as any other signed message."""
-_COUNTERS_DOMAIN = "pdserve-heartbeat-counters-v1"
-_BUSY_DOMAIN = "pdserve-heartbeat-busy-v1"
+LINK_SIGNATURE_FIELD = "link_signature"
+"""The HMAC of every field, the link address included (the same reason again)."""
 
 
 class UnsignedEntry(ValueError):
     """A heartbeat hash without a valid signature (none, or one that does not verify)."""
 
 
-def _signed_parts(cluster: str, text: Mapping[str, str], counters: bool = False, busy: bool = False) -> list[str]:
-    # Every WorkerInfo field, by name, in declaration order: a field moved, dropped or changed
-    # breaks the signature. Fields a newer worker may add are neither signed nor read.
-    domain = _BUSY_DOMAIN if busy else _COUNTERS_DOMAIN if counters else _SIGNATURE_DOMAIN
-    parts = [domain, cluster]
+@dataclass(frozen=True)
+class _SignatureLevel:
+    """One signature of a heartbeat: it covers the fields it adds and every earlier level's."""
+
+    field: str
+    """The hash field holding it."""
+    domain: str
+    """Signed first, so a heartbeat signature is never valid as any other signed message."""
+    adds: tuple[str, ...]
+    """The WorkerInfo fields that came with it."""
+    label: str
+    """What a refusal calls it."""
+
+
+_LEVELS = (
+    _SignatureLevel(SIGNATURE_FIELD, "pdserve-heartbeat-v1", (), "heartbeat"),
+    _SignatureLevel(COUNTERS_SIGNATURE_FIELD, "pdserve-heartbeat-counters-v1", _COUNTER_FIELDS, "heartbeat counters"),
+    _SignatureLevel(BUSY_SIGNATURE_FIELD, "pdserve-heartbeat-busy-v1", _BUSY_FIELDS, "heartbeat busy-time"),
+    _SignatureLevel(LINK_SIGNATURE_FIELD, "pdserve-heartbeat-link-v1", _LINK_FIELDS, "heartbeat link address"),
+)
+"""In the order they came: a router knows the levels up to its release and checks each whose
+fields the hash holds; a worker writes all it knows."""
+
+
+def _signed_parts(cluster: str, text: Mapping[str, str], level: int = 0) -> list[str]:
+    # Every WorkerInfo field up to the level, by name, in declaration order: a field moved,
+    # dropped or changed breaks the signature. Fields of later levels are not signed by it.
+    later = {name for lv in _LEVELS[level + 1:] for name in lv.adds}
+    parts = [_LEVELS[level].domain, cluster]
     for f in fields(WorkerInfo):
-        if (busy or f.name not in _BUSY_FIELDS) and (counters or busy or f.name not in _COUNTER_FIELDS):
+        if f.name not in later:
             parts += [f.name, text.get(f.name, "")]
     return parts
 
@@ -325,9 +356,8 @@ def signed_hash(info: WorkerInfo, cluster: str, secret: bytes) -> dict[str, str]
     """info.to_hash() plus its signature: what a worker writes when it holds the secret.
     The cluster name is signed too, so an entry copied into another cluster's keys fails."""
     text = info.to_hash()
-    text[SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text))
-    text[COUNTERS_SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text, counters=True))
-    text[BUSY_SIGNATURE_FIELD] = sign(secret, *_signed_parts(cluster, text, busy=True))
+    for i, level in enumerate(_LEVELS):
+        text[level.field] = sign(secret, *_signed_parts(cluster, text, i))
     return text
 
 
@@ -336,21 +366,17 @@ def verified_info(data: Mapping[bytes | str, bytes | str], cluster: str, secret:
 
     secret None: no check (in-process library use and tests without a cluster secret; every
     pdserve process has one). Raises UnsignedEntry when the secret is set and the signature is
-    missing or wrong (constant-time compare), or the hash holds counters whose own signature is
-    (COUNTERS_SIGNATURE_FIELD, BUSY_SIGNATURE_FIELD); ValueError when the hash does not parse.
+    missing or wrong (constant-time compare), or the hash holds later fields whose own signature
+    is (COUNTERS_SIGNATURE_FIELD, BUSY_SIGNATURE_FIELD, LINK_SIGNATURE_FIELD); ValueError when the
+    hash does not parse.
     """
     text = {_text(k): _text(v) for k, v in data.items()}
     if secret is not None:
-        signature = text.get(SIGNATURE_FIELD)
-        if signature is None:
+        if text.get(SIGNATURE_FIELD) is None:
             raise UnsignedEntry("heartbeat has no signature")
-        if not verify(secret, signature, *_signed_parts(cluster, text)):
-            raise UnsignedEntry("heartbeat signature does not verify")
-        if any(name in text for name in _COUNTER_FIELDS):
-            counters_signature = text.get(COUNTERS_SIGNATURE_FIELD, "")
-            if not verify(secret, counters_signature, *_signed_parts(cluster, text, counters=True)):
-                raise UnsignedEntry("heartbeat counters signature does not verify")
-        if any(name in text for name in _BUSY_FIELDS):
-            if not verify(secret, text.get(BUSY_SIGNATURE_FIELD, ""), *_signed_parts(cluster, text, busy=True)):
-                raise UnsignedEntry("heartbeat busy-time signature does not verify")
+        for i, level in enumerate(_LEVELS):
+            if i and not any(name in text for name in level.adds):
+                continue  # a worker of a release before these fields
+            if not verify(secret, text.get(level.field, ""), *_signed_parts(cluster, text, i)):
+                raise UnsignedEntry(f"{level.label} signature does not verify")
     return WorkerInfo.from_hash(text)

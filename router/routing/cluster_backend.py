@@ -55,8 +55,8 @@ from router.routing.worker_client import WorkerClient
 logger = logging.getLogger(__name__)
 
 from router.routing.worker_replies import (  # noqa: F401 (the paths are imported from here too)
-    PATH_COLOCATED, PATH_DISAGGREGATED, reply_delta, stream_delta, streams_first_token, trace_prefill,
-    trace_reserve, wire_seconds)
+    PATH_COLOCATED, PATH_DISAGGREGATED, join_queued, reply_delta, stream_delta, streams_first_token,
+    trace_prefill, trace_reserve, wire_seconds)
 
 class ClusterBackend:
     def __init__(
@@ -69,10 +69,13 @@ class ClusterBackend:
         route_request: RouteRequestBuilder = plain_route_request,
         timeouts: WorkerTimeouts = WorkerTimeouts(),
         secret: bytes | None = None,
+        use_links: bool = True,
     ) -> None:
         """secret: the cluster secret every call to a worker proves (proto/internal_auth.py);
-        None only for tests whose workers are in-process doubles without the check."""
-        self.workers = WorkerClient(secret)
+        None only for tests whose workers are in-process doubles without the check.
+        use_links: the request calls go over the workers' links where they serve one
+        (router/routing/worker_client.py); False: over gRPC."""
+        self.workers = WorkerClient(secret, use_links)
         self._snapshot = snapshot
         self._choose = choose
         self._route_request = route_request
@@ -117,7 +120,7 @@ class ClusterBackend:
             what = f"decode worker {run.admitted.decode_id}"
             while (event := await next_event(stream, run.pending, wait_s, what)) is not grpc.aio.EOF:
                 wait_s = self.timeouts.stream_idle_s
-                if (delta := self._stream_delta(run, event)) is None:
+                if (delta := self._stream_delta(run, join_queued(stream, event))) is None:
                     continue
                 head, delta = split_final(delta, run.late_prefill)
                 if head is not None:  # its tokens go now; the finish waits for the Prefill reply
@@ -299,7 +302,7 @@ class ClusterBackend:
             info = snapshot.by_id(worker_id)
             if info is None:
                 continue
-            stream = self.workers.decode(info.address).Decode(worker_pb2.DecodeRequest(
+            stream = self.workers.decode(info.address, info.link_address).Decode(worker_pb2.DecodeRequest(
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
                 local_prefill=local, stream_first_token=streams_first_token(request, local)))
@@ -315,7 +318,7 @@ class ClusterBackend:
             except WorkerSilent as exc:  # stopped or wedged: the others may take it
                 logger.warning("%s; trying the next decode worker", exc)
                 self.workers.in_background(self.workers.abort(info.address, request.request_id,
-                                                              self.timeouts.abort_s))
+                                                              self.timeouts.abort_s, link_address=info.link_address))
                 continue
             except BaseException:  # cancelled while waiting: the stream must not outlive us
                 stream.cancel()
@@ -323,7 +326,8 @@ class ClusterBackend:
             if first is grpc.aio.EOF or not first.HasField("ticket"):
                 stream.cancel()
                 raise WorkerFailure(f"decode worker {worker_id} answered without a ticket")
-            self._placements[request.request_id] = _Placement(info.address, info.block_size)
+            self._placements[request.request_id] = _Placement(info.address, info.block_size,
+                                                              decode_link=info.link_address)
             return _Admitted(snapshot, decision, worker_id, stream, first.ticket)
         return None
 
@@ -353,10 +357,11 @@ class ClusterBackend:
                 info = snapshot.by_id(worker_id)
                 if info is None or settled.is_set():
                     continue
-                self._placements[request.request_id].prefill_address = info.address
+                placement = self._placements[request.request_id]
+                placement.prefill_address, placement.prefill_link = info.address, info.link_address
                 sent_at = time.monotonic()
                 try:
-                    reply = await self.workers.prefill(info.address).Prefill(worker_pb2.PrefillRequest(
+                    reply = await self.workers.prefill(info.address, info.link_address).Prefill(worker_pb2.PrefillRequest(
                         request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                         sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
                 except grpc.aio.AioRpcError as exc:
@@ -384,6 +389,8 @@ class ClusterBackend:
             await self._abort_placement(request_id, placement)
 
     async def _abort_placement(self, request_id: str, placement: _Placement) -> None:
-        await self.workers.abort(placement.decode_address, request_id, self.timeouts.abort_s)
+        await self.workers.abort(placement.decode_address, request_id, self.timeouts.abort_s,
+                                 link_address=placement.decode_link)
         if placement.prefill_address:
-            await self.workers.abort(placement.prefill_address, request_id, self.timeouts.abort_s, prefill=True)
+            await self.workers.abort(placement.prefill_address, request_id, self.timeouts.abort_s, prefill=True,
+                                     link_address=placement.prefill_link)

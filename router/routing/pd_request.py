@@ -28,6 +28,9 @@ class _Placement:
     decode_address: str
     block_size: int
     prefill_address: str | None = None
+    decode_link: str = ""
+    """The workers' link addresses ("" for none: gRPC), for their aborts."""
+    prefill_link: str = ""
 
 
 @dataclass(frozen=True)

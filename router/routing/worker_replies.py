@@ -35,6 +35,32 @@ def stream_delta(event, path: str, route: RouteInfo | None) -> TokenDelta:
     )
 
 
+def join_queued(stream, event):
+    """`event` with the token chunks already received behind it joined in (one delta, so one
+    SSE event, instead of one per chunk): a router that falls behind a stream catches up
+    instead of queuing. A chunk is never held back for more; streams that cannot tell what
+    they hold (gRPC's) give `event` as it is."""
+    take = getattr(stream, "take_queued", None)
+    if take is None or event.WhichOneof("event") != "tokens" or event.tokens.finish_reason:
+        return event
+    queued = take()
+    if not queued:
+        return event
+    joined = worker_pb2.DecodeEvent()
+    chunk = joined.tokens
+    timed = True
+    for part in (event, *queued):
+        tokens = part.tokens  # every event after the ticket is a chunk of tokens
+        timed = timed and len(tokens.sampled_at) == len(tokens.token_ids)
+        chunk.token_ids.extend(tokens.token_ids)
+        chunk.logprobs.extend(tokens.logprobs)
+        chunk.sampled_at.extend(tokens.sampled_at)
+        chunk.finish_reason, chunk.stop_token_id = tokens.finish_reason, tokens.stop_token_id
+    if not timed:
+        del chunk.sampled_at[:]
+    return joined
+
+
 def reply_delta(reply: worker_pb2.PrefillResponse, ticket: worker_pb2.Ticket) -> TokenDelta:
     """The Prefill reply's first token (its sample time when the worker reported it)."""
     sampled = reply.timing.first_token_at if reply.HasField("timing") else 0.0

@@ -27,6 +27,8 @@ def test_rendered_worker_args_are_a_valid_worker_spec_that_round_trips(helm, val
     for role in ("prefill", "decode"):
         spec = WorkerSpec.from_args(_parse(container(objects, role)["args"]))
         assert (spec.role, spec.host, spec.port, spec.metrics_port) == (role, "0.0.0.0", 50051, 9100)
+        assert spec.link_port == 50052  # the worker link: a fixed port, named "link" in the pod
+        assert {"name": "link", "containerPort": 50052, "protocol": "TCP"} in container(objects, role)["ports"]
         assert spec.worker_id == POD_ENV["POD_NAME"]
         assert WorkerSpec.from_args(_parse(spec.to_argv())) == spec
 

@@ -136,6 +136,7 @@ def test_rendered_processes_take_their_addresses_from_the_pod_and_services(relea
     assert prefill[prefill.index("--worker-id") + 1] == f"{FULL}-prefill-0"
     assert prefill[prefill.index("--redis-url") + 1] == f"redis://127.0.0.1:{release.redis.port}/0"
     assert prefill[prefill.index("--port") + 1] == str(release.ports["prefill"][50051])
+    assert prefill[prefill.index("--link-port") + 1] == str(release.ports["prefill"][50052])
 
 
 def test_the_probes_the_chart_names_answer_200_on_the_serving_pods(release):

@@ -1,5 +1,5 @@
-"""benchmarks/router_overhead.py runs end to end in a tiny mode: pdserve (one process and
---router-workers 2) and the Rust routers (when installed: the `bench-peers` extra) each serve
+"""benchmarks/router_overhead.py runs end to end in a tiny mode: pdserve (one process,
+--router-workers 2, and --worker-link false: its calls to the workers over gRPC) and the Rust routers (when installed: the `bench-peers` extra) each serve
 every request through their instant doubles, in two rounds, and the report names the goals."""
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ def test_the_router_overhead_benchmark_measures_every_router_in_a_tiny_run():
         cwd=REPO, capture_output=True, text=True, timeout=360)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines()
-            if line.split() and line.split()[0] in ("pdserve", "pdserve-x2", *RUST_ROUTERS)
+            if line.split() and line.split()[0] in ("pdserve", "pdserve-x2", "pdserve-grpc", *RUST_ROUTERS)
             and len(line.split()) == 14 and line.split()[1].isdigit()]
     measured = {row[0] for row in rows}
     installed = {name for name in RUST_ROUTERS if rust_router_command(name) is not None}
-    assert measured == {"pdserve", "pdserve-x2", *installed}, run.stdout
+    assert measured == {"pdserve", "pdserve-x2", "pdserve-grpc", *installed}, run.stdout
     assert sorted((row[0], row[1]) for row in rows) == sorted(
         (name, c) for name in measured for c in ("1", "2"))
     assert {row[-1] for row in rows} == {"0/0"}, run.stdout  # failed: router/direct
     for name in set(RUST_ROUTERS) - installed:  # named, with the reason, never silently left out
         assert f"skipping {name}: not installed (pip install 'pdserve[bench-peers]')" in run.stdout
     assert "pdserve added p50 at 1 in flight:" in run.stdout
+    assert "pdserve (worker link) / pdserve-grpc req/s at 2 in flight:" in run.stdout
     if installed:  # two rounds: each req/s ratio comes with its per-round spread
         assert "req/s at 2 in flight:" in run.stdout and ", per round: " in run.stdout

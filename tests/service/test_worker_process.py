@@ -29,6 +29,7 @@ from pdserve.redis_server import EmbeddedRedis
 from pdserve.specs import WorkerSpec
 from proto.auth import load_cluster_secret
 from proto.internal_auth import internal_channel
+from proto.link import LinkChannel, LinkDecodeStub
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.cluster.keys import WorkerInfo, worker_key, workers_set_key
 from router.cluster.redis_settings import PASSWORD_ENV, sync_client
@@ -148,6 +149,34 @@ def test_worker_from_a_spec_registers_as_serving_and_sigterm_unregisters_it(tiny
     assert not in_workers_set(redis_url, f"{role}-wp")
     assert len(log_lines(log, f"{role} worker {role}-wp draining: 0 in flight, timeout 60 s")) == 1
     assert len(log_lines(log, "0 finished, 0 aborted at the timeout")) == 1
+
+
+def test_a_decode_worker_serves_the_same_greedy_tokens_over_its_link_as_over_grpc(
+        tiny_model_dir, redis_url, tmp_path, started):
+    """The routers' request plane (proto/link) runs the worker's own servicer: same tokens."""
+    process, log, grpc_port, _ = start(decode_spec(tiny_model_dir, redis_url, tmp_path), tmp_path, started)
+    info = registered(redis_url, "decode-wp")
+    host, link_port = info.link_address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(link_port) not in (0, grpc_port), info
+    assert f"link {info.link_address}" in log.read_text()
+
+    async def tokens(stub, request_id: str) -> list[int]:
+        stream = stub.Decode(decode_request(request_id, 12, local_prefill=True))
+        ids = []
+        while (event := await stream.read()) is not grpc.aio.EOF:
+            ids += list(event.tokens.token_ids) if event.HasField("tokens") else []
+        return ids
+
+    async def both() -> tuple[list[int], list[int]]:
+        secret = load_cluster_secret()
+        async with internal_channel(info.address, secret) as g, LinkChannel(info.link_address, secret) as link:
+            return (await tokens(worker_pb2_grpc.DecodeWorkerStub(g), "over-grpc"),
+                    await tokens(LinkDecodeStub(link), "over-link"))
+
+    over_grpc, over_link = asyncio.run(both())
+    assert len(over_grpc) == 12 and over_link == over_grpc
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=EXIT_TIMEOUT_S) == 0, log.read_text()
 
 
 def test_sigterm_marks_the_worker_draining_then_its_stream_finishes_and_it_exits_zero(

@@ -77,6 +77,7 @@ def test_to_hash_writes_every_field_as_a_string():
         "generation_tokens": "0",
         "prefill_busy_s": "0.0",
         "decode_busy_s": "0.0",
+        "link_address": "",
     }
 
 
@@ -167,7 +168,8 @@ def as_redis_bytes(fields: dict[str, str]) -> dict[bytes, bytes]:
 def test_a_signed_heartbeat_verifies_and_parses_back_to_the_same_info():
     info = make_worker()
     stored = signed_hash(info, "prod", SECRET)
-    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD, COUNTERS_SIGNATURE_FIELD, "busy_signature"}
+    assert set(stored) == set(info.to_hash()) | {SIGNATURE_FIELD, COUNTERS_SIGNATURE_FIELD, "busy_signature",
+                                                   "link_signature"}
     assert verified_info(as_redis_bytes(stored), "prod", SECRET) == info
 
 
@@ -204,7 +206,8 @@ def test_a_heartbeat_without_the_token_counters_verifies_and_reads_them_as_zero(
     """A worker of the release before the counters signs and writes none of them."""
     info = make_worker()
     counters = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
-    later = ("prefill_busy_s", "decode_busy_s", "busy_signature")  # came after the counters
+    later = ("prefill_busy_s", "decode_busy_s", "busy_signature",  # came after the counters
+             "link_address", "link_signature")
     text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
             if k not in counters + later and k != COUNTERS_SIGNATURE_FIELD}
     parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
@@ -272,7 +275,7 @@ def test_the_counters_signature_is_the_previous_releases_so_a_router_before_busy
 def test_a_heartbeat_without_busy_seconds_verifies_and_reads_them_as_zero():
     info = make_worker()
     text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
-            if k not in ("prefill_busy_s", "decode_busy_s", "busy_signature")}
+            if k not in ("prefill_busy_s", "decode_busy_s", "busy_signature", "link_address", "link_signature")}
     parsed = verified_info(as_redis_bytes(text), "prod", SECRET)
     assert (parsed.prefill_busy_s, parsed.decode_busy_s) == (0.0, 0.0)
 
@@ -283,3 +286,44 @@ def test_busy_seconds_must_be_finite_and_not_negative(value):
 
     with pytest.raises(ValueError, match="prefill_busy_s must be a finite number >= 0"):
         dataclasses.replace(make_worker(), prefill_busy_s=value)
+
+
+def test_the_link_address_round_trips_and_a_changed_one_is_refused():
+    """A heartbeat's link address is where routers send prompts: Redis write access alone must
+    not redirect it."""
+    import dataclasses
+
+    info = dataclasses.replace(make_worker(), link_address="10.0.0.5:50052")
+    stored = signed_hash(info, "prod", SECRET)
+    assert verified_info(as_redis_bytes(stored), "prod", SECRET).link_address == "10.0.0.5:50052"
+    stored["link_address"] = "10.6.6.6:50052"
+    with pytest.raises(UnsignedEntry, match="heartbeat link address signature does not verify"):
+        verified_info(stored, "prod", SECRET)
+
+
+def test_a_heartbeat_without_a_link_verifies_and_reads_no_link():
+    """A worker of the release before the link writes neither the address nor its signature."""
+    info = make_worker()
+    text = {k: v for k, v in signed_hash(info, "prod", SECRET).items()
+            if k not in ("link_address", "link_signature")}
+    assert verified_info(as_redis_bytes(text), "prod", SECRET).link_address == ""
+
+
+def test_the_busy_signature_is_the_previous_releases_so_a_router_before_the_link_takes_it():
+    import dataclasses
+
+    from proto.auth import verify
+
+    info = dataclasses.replace(make_worker(), prefill_busy_s=2.0, link_address="10.0.0.5:50052")
+    stored = signed_hash(info, "prod", SECRET)
+    previous = [f.name for f in dataclasses.fields(WorkerInfo)][:22]
+    assert previous[-1] == "decode_busy_s"
+    parts = ["pdserve-heartbeat-busy-v1", "prod"] + [part for name in previous for part in (name, stored[name])]
+    assert verify(SECRET, stored["busy_signature"], *parts)
+
+
+def test_a_link_address_must_be_host_and_port():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="link_address must be host:port"):
+        dataclasses.replace(make_worker(), link_address="nohost")

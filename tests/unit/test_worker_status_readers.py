@@ -25,14 +25,15 @@ STATUS = WorkerStatus(worker_id="decode-3", incarnation="inc-9", role="decode", 
 
 @pytest.mark.parametrize("state, published", [(WorkerState.SERVING, "serving"), (WorkerState.DRAINING, "draining")])
 def test_heartbeat_info_publishes_the_status_numbers_and_state(state, published):
-    info = heartbeat_info(dataclasses.replace(STATUS, state=state), "127.0.0.1:5001", "127.0.0.1:9001")
+    info = heartbeat_info(dataclasses.replace(STATUS, state=state), "127.0.0.1:5001", "127.0.0.1:9001",
+                          "127.0.0.1:5002")
     assert dataclasses.asdict(info) | {"updated_at": 0} == {
         "worker_id": "decode-3", "role": "decode", "address": "127.0.0.1:5001",
         "metrics_address": "127.0.0.1:9001", "incarnation": "inc-9", "block_size": 16, "total_blocks": 100,
         "free_blocks": 60, "reserved_blocks": 7, "cached_blocks": 5, "num_running": 3, "num_waiting": 2,
         "queued_prefill_tokens": 90, "max_model_len": 2048, "updated_at": 0, "state": published,
         "prefix_cache_queries": 320, "prefix_cache_hits": 48, "prompt_tokens": 272, "generation_tokens": 35,
-        "prefill_busy_s": 0.75, "decode_busy_s": 1.25}
+        "prefill_busy_s": 0.75, "decode_busy_s": 1.25, "link_address": "127.0.0.1:5002"}
     assert info.draining is (state is WorkerState.DRAINING)
 
 

@@ -67,6 +67,8 @@ spec:
             - "50051"
             - --metrics-port
             - "9100"
+            - --link-port
+            - "50052"
             - --worker-id
             - $(POD_NAME)
             - --redis-url
@@ -98,6 +100,9 @@ spec:
           ports:
             - name: grpc
               containerPort: 50051
+              protocol: TCP
+            - name: link
+              containerPort: 50052
               protocol: TCP
             - name: metrics
               containerPort: 9100

@@ -1,0 +1,49 @@
+"""join_queued (router/routing/worker_replies.py): the token chunks a link has already received
+behind the one just read leave as one delta; nothing is waited for, and gRPC streams, tickets
+and finished chunks pass as they are."""
+
+from __future__ import annotations
+
+from proto.pdserve.v1 import worker_pb2
+from router.routing.worker_replies import join_queued
+
+
+def chunk(ids, finish="", sampled=None, stop=-1):
+    return worker_pb2.DecodeEvent(tokens=worker_pb2.TokenChunk(
+        token_ids=ids, finish_reason=finish, stop_token_id=stop, sampled_at=sampled or []))
+
+
+class Queued:
+    """A stream that holds these responses already (as a LinkStreamCall does)."""
+
+    def __init__(self, *events):
+        self.events = list(events)
+
+    def take_queued(self):
+        taken, self.events = self.events, []
+        return taken
+
+
+def test_chunks_received_behind_the_one_read_join_it_in_order_with_the_last_ones_finish():
+    stream = Queued(chunk([11], sampled=[2.0]), chunk([12, 13], finish="stop", sampled=[3.0, 3.0], stop=13))
+    joined = join_queued(stream, chunk([10], sampled=[1.0]))
+    assert list(joined.tokens.token_ids) == [10, 11, 12, 13]
+    assert list(joined.tokens.sampled_at) == [1.0, 2.0, 3.0, 3.0]
+    assert (joined.tokens.finish_reason, joined.tokens.stop_token_id) == ("stop", 13)
+    assert stream.events == []
+
+
+def test_sample_times_are_dropped_when_one_chunk_lacks_them():
+    joined = join_queued(Queued(chunk([11])), chunk([10], sampled=[1.0]))
+    assert list(joined.tokens.token_ids) == [10, 11] and list(joined.tokens.sampled_at) == []
+
+
+def test_nothing_queued_a_finished_chunk_a_ticket_and_a_grpc_stream_pass_unchanged():
+    event = chunk([10])
+    assert join_queued(Queued(), event) is event
+    finished = chunk([10], finish="length")
+    stream = Queued(chunk([11]))
+    assert join_queued(stream, finished) is finished and len(stream.events) == 1
+    ticket = worker_pb2.DecodeEvent(ticket=worker_pb2.Ticket(ticket_id=3))
+    assert join_queued(stream, ticket) is ticket and len(stream.events) == 1
+    assert join_queued(object(), event) is event  # no take_queued: a gRPC call
