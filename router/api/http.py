@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (vLLM's surface) over a RouterService.
 
 Handlers are thin: FastAPI decodes the body, the handler calls one service method, and
-router.api.openai_encode shapes the JSON. RouterErrors become HTTP responses in `http_guards.error_response`
+router.api.openai_encode shapes the JSON. The generation routes' handlers live in
+router.api.generation_routes, whose fast path answers well-formed generation requests
+without FastAPI (inside the guards); anything else reaches the routes here. RouterErrors become HTTP responses in `http_guards.error_response`
 only. Three ASGI guards (router.api.http_guards) wrap every route: the request id (X-Request-Id
 echoed, or a new uuid), the API key check (all routes but /health and /ready) and the body size
 limit. Framework refusals (unknown route, wrong method, a body that is not JSON) get vLLM's
@@ -10,12 +12,10 @@ error shape too, never FastAPI's `{"detail": ...}`.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,22 +29,19 @@ from router.errors import (
     RouterError,
     WorkerFailure,
 )
-from router.api.event_stream import EventStreamResponse, wait_for_disconnect
-from router.serving.metrics import PROMETHEUS_CONTENT_TYPE
-from router.api.openai_encode import (
-    TOKEN_TIMES_HEADER,
-    ChatChunks,
-    ChunkEncoder,
-    CompletionChunks,
-    chat_body,
-    completion_body,
-    detokenize_body,
-    dumps,
-    models_body,
-    WithTokenTimes,
-    sse_lines,
-    tokenize_body,
+from router.api.generation_routes import (  # noqa: F401 (the names are imported from here too)
+    CLIENT_CLOSED_REQUEST,
+    PATH_HEADER,
+    ROUTE_HEADER,
+    ClientDisconnected,
+    FastJSONResponse,
+    GenerationFastPath,
+    chat_completion,
+    completion,
+    is_json,
 )
+from router.serving.metrics import PROMETHEUS_CONTENT_TYPE
+from router.api.openai_encode import detokenize_body, models_body, tokenize_body
 from router.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,15 +61,8 @@ from router.ops.admin_http import admin_routes
 from router.ops.roles import RolesApi
 from router.ops.roles_metrics import RolesCollector
 from router.cluster.readiness import Readiness
-from router.serving.results import ResponseHead
 from router.api.validation import DEFAULT_MAX_REQUEST_BYTES
-from router.serving.service import ResponseStream, RouterService
-
-T = TypeVar("T")
-PATH_HEADER = "x-pdserve-path"
-ROUTE_HEADER = "x-pdserve-route"
-# Not an HTTP standard: nginx's "client closed request", logged when a client leaves mid-way.
-CLIENT_CLOSED_REQUEST = 499
+from router.serving.service import RouterService
 
 
 def _pdserve_version() -> str:
@@ -114,10 +104,6 @@ class HttpSettings:
             raise ValueError("roles and admin_access go together: the roles routes need their guard")
 
 
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready."""
-
-
 _NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
                  if "telemetry" in inspect.signature(FastAPI).parameters else {})
 """FastAPI >= 0.16x checks OpenTelemetry providers on every request (environment reads, ~2% of
@@ -137,6 +123,8 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(Exception, _on_unexpected_error)
     app.include_router(_routes(service, settings))
+    # Innermost of the guards below: well-formed generation requests skip FastAPI (generation_routes.py).
+    app.add_middleware(GenerationFastPath, service=service)
     if settings.roles is not None:
         app.include_router(admin_routes(settings.roles))
         # Beside the route that refreshes its view before each scrape (see /metrics).
@@ -202,21 +190,11 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
 
     @api.post("/v1/completions", dependencies=[Depends(_json_body)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ids, rid = bool(body.return_token_ids), request_id(request)
-        if body.stream:
-            stream = await _unless_disconnected(request, service.stream_complete(body, rid))
-            return _event_stream(stream, _token_times(request, CompletionChunks(stream, ids)))
-        result = await _unless_disconnected(request, service.complete(body, rid))
-        return _json(completion_body(result, ids), result.head)
+        return await completion(service, body, request_id(request), request.receive, request.headers)
 
     @api.post("/v1/chat/completions", dependencies=[Depends(_json_body)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ids, rid = bool(body.return_token_ids), request_id(request)
-        if body.stream:
-            stream = await _unless_disconnected(request, service.stream_chat(body, rid))
-            return _event_stream(stream, _token_times(request, ChatChunks(stream, ids)))
-        result = await _unless_disconnected(request, service.chat(body, rid))
-        return _json(chat_body(result, ids), result.head)
+        return await chat_completion(service, body, request_id(request), request.receive, request.headers)
 
     return api
 
@@ -224,59 +202,13 @@ def _routes(service: RouterService, settings: HttpSettings) -> APIRouter:
 async def _json_body(request: Request) -> None:
     """vLLM's check: POST bodies must be declared JSON (400 otherwise, with vLLM's message).
     async: FastAPI runs a plain `def` dependency in a thread, a hop that cost every request."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
+    if not is_json(request.headers.get("content-type")):
         raise InvalidRequest("Unsupported Media Type: Only 'application/json' is allowed")
 
 
 def request_id(request: Request) -> str:
     """The id RequestIdMiddleware gave this request."""
     return request.scope["state"]["request_id"]
-
-
-def _token_times(request: Request, chunks: ChunkEncoder) -> ChunkEncoder:
-    """The client asked for each token's sample time (X-Pdserve-Token-Times: 1)."""
-    return WithTokenTimes(chunks) if request.headers.get(TOKEN_TIMES_HEADER) == "1" else chunks
-
-
-def _path_headers(head: ResponseHead) -> dict[str, str]:
-    headers = {} if head.path is None else {PATH_HEADER: head.path}
-    if head.route is not None:
-        headers[ROUTE_HEADER] = head.route
-    return headers
-
-
-class FastJSONResponse(JSONResponse):
-    """A whole completion's JSON encoded with orjson (router.api.openai_encode.dumps)."""
-
-    def render(self, content: object) -> bytes:
-        return dumps(content)
-
-
-def _json(body: object, head: ResponseHead) -> JSONResponse:
-    return FastJSONResponse(body, headers=_path_headers(head))
-
-
-def _event_stream(stream: ResponseStream, chunks: ChunkEncoder) -> EventStreamResponse:
-    return EventStreamResponse(
-        sse_lines(stream, chunks), stream.aclose, headers=_path_headers(stream.head)
-    )
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (the service then aborts the backend) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
 
 
 async def _on_router_error(_: Request, exc: RouterError) -> JSONResponse:

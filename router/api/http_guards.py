@@ -157,7 +157,7 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(bytes(body), receive), send)
+        await self.app(scope, replay_body(bytes(body), receive), send)
 
     async def _refuse(self, length: int | None, scope: Scope, receive: Receive, send: Send) -> None:
         size = f"{length:,} bytes" if length is not None else f"more than {self.max_bytes:,} bytes"
@@ -168,7 +168,7 @@ class BodyLimitMiddleware:
         await error_response(error)(scope, receive, send)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """A receive that hands out `body` once, then the client's own messages (disconnects)."""
     sent = False
 
