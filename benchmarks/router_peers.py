@@ -124,22 +124,34 @@ def stop(process: subprocess.Popen | None) -> None:
         process.wait(timeout=10)
 
 
-async def direct_http_call(client: httpx.AsyncClient, prefill_url: str, decode: Endpoint,
+async def direct_http_call(client: httpx.AsyncClient, prefill_url: str | None, decode: Endpoint,
                            request: SampleRequest) -> float | None:
-    """Prefill (one token, not streamed), then the streamed decode; seconds, None on failure."""
+    """Prefill (one token, not streamed; none when prefill_url is None), then the streamed
+    decode; seconds, None on failure."""
     start = time.perf_counter()
-    body = {**decode.payload(request), "stream": False, "max_tokens": 1}
-    body.pop("stream_options", None)
-    response = await client.post(f"{prefill_url}/v1/completions", json=body)
+    if prefill_url is not None:
+        body = {**decode.payload(request), "stream": False, "max_tokens": 1}
+        body.pop("stream_options", None)
+        response = await client.post(f"{prefill_url}/v1/completions", json=body)
+        if response.status_code != 200:
+            return None
     output = await send_request(client, decode, request)
-    if response.status_code != 200 or not output.success:
+    if not output.success:
         return None
     return time.perf_counter() - start
 
 
-async def direct_http_path(prefill_url: str, decode_url: str, model: str, requests: list[SampleRequest],
+async def http_floor_path(decode_url: str, model: str, requests: list[SampleRequest],
+                          concurrency: int) -> tuple[list[float], int, float, float]:
+    """The client's own cost of one streamed request: the decode POST alone, straight to the
+    instant HTTP double (what no front door can go below); as direct_http_path returns."""
+    return await direct_http_path(None, decode_url, model, requests, concurrency)
+
+
+async def direct_http_path(prefill_url: str | None, decode_url: str, model: str, requests: list[SampleRequest],
                            concurrency: int) -> tuple[list[float], int, float, float]:
-    """(latencies, failed, wall seconds, client CPU seconds) of the HTTP direct path."""
+    """(latencies, failed, wall seconds, client CPU seconds) of the HTTP direct path (prefill_url
+    None: the decode POST alone)."""
     decode = Endpoint(f"{decode_url}/v1/completions", model, ignore_eos=True)
     limits = httpx.Limits(max_connections=2 * concurrency, max_keepalive_connections=2 * concurrency,
                           keepalive_expiry=1.0)
