@@ -19,9 +19,12 @@ method with a context whose abort() ends the call with that status, so a worker'
   server.py     LinkServer: accepts, authenticates, runs calls on a servicer
   client.py     LinkChannel: one connection, calls shaped as grpc.aio's (read(), cancel(),
                 AioRpcError), so the router's call sites serve both transports unchanged
+  calls.py      a call's state on the caller's side (responses not read yet, its end)
+  coalesce.py   the frames of one event-loop pass leave in one send
 """
 
-from proto.link.client import LinkChannel, LinkDecodeStub, LinkPrefillStub, LinkRpcError
+from proto.link.calls import LinkRpcError
+from proto.link.client import LinkChannel, LinkDecodeStub, LinkPrefillStub
 from proto.link.server import LinkServer
 
 __all__ = ["LinkChannel", "LinkDecodeStub", "LinkPrefillStub", "LinkRpcError", "LinkServer"]

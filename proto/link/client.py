@@ -19,7 +19,6 @@ Not thread-safe: one event loop owns a channel.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import itertools
@@ -33,21 +32,13 @@ from proto.link import handshake
 from proto.link.coalesce import CoalescingWriter
 from proto.link.frames import (
     MAX_CALL_ID, FrameKind, FrameReader, LinkProtocolError, LinkStatus, decode_status, frame)
+from proto.link.calls import Call, LinkRpcError, LinkStreamCall, UnaryCall
 from proto.link.methods import ABORT, DECODE, PREFILL, LinkMethod
 
 __all__ = ["LinkChannel", "LinkDecodeStub", "LinkPrefillStub", "LinkRpcError", "LinkStreamCall"]
 
 CONNECT_TIMEOUT_S = handshake.HANDSHAKE_TIMEOUT_S
-_CANCELLED = LinkStatus(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
-
-
-class LinkRpcError(grpc.aio.AioRpcError):
-    """A link call's error end, as grpc.aio raises it (code(), details(), trailing_metadata())."""
-
-    def __init__(self, status: LinkStatus, address: str) -> None:
-        super().__init__(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
-                         details=status.details, debug_error_string=f"worker link {address}")
-        self.status = status
+CANCELLED = LinkStatus(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
 
 
 class LinkChannel:
@@ -81,7 +72,7 @@ class LinkChannel:
 
     async def unary_unary(self, method: LinkMethod, request: Message, timeout: float | None = None) -> Message:
         """The call's one response; LinkRpcError for its error end or past `timeout` seconds."""
-        call = _UnaryCall(self, method.response)
+        call = UnaryCall(self, method.response)
         data = self._request_bytes(method, request, call)
         if data is None:
             raise call.error()
@@ -98,7 +89,7 @@ class LinkChannel:
             call.cancel()
             raise
 
-    def _request_bytes(self, method: LinkMethod, request: Message, call: _Call) -> bytes | None:
+    def _request_bytes(self, method: LinkMethod, request: Message, call: Call) -> bytes | None:
         """The CALL payload; None (the call ended RESOURCE_EXHAUSTED, as gRPC ends it) when the
         request is above the message limit."""
         data = request.SerializeToString()
@@ -186,127 +177,6 @@ class LinkChannel:
         await self.close()
 
 
-class _Call:
-    """A call's state on the caller's side: responses received and not read, and its end."""
-
-    __slots__ = ("channel", "response_type", "connection", "call_id", "status", "locally_cancelled")
-
-    def __init__(self, channel: LinkChannel, response_type: type[Message]) -> None:
-        self.channel, self.response_type = channel, response_type
-        self.connection: _ClientConnection | None = None
-        self.call_id = 0
-        self.status: LinkStatus | None = None
-        self.locally_cancelled = False
-
-    def done(self) -> bool:
-        return self.status is not None
-
-    def on_message(self, payload: bytes) -> None:
-        raise NotImplementedError
-
-    def end(self, status: LinkStatus) -> None:
-        raise NotImplementedError
-
-    def error(self) -> LinkRpcError:
-        return LinkRpcError(self.status, self.channel.address)
-
-    def cancel(self) -> bool:
-        """Cancel the call (a CANCEL to the worker when it was sent); False when it had ended."""
-        if self.status is not None:
-            return False
-        self.locally_cancelled = True
-        if self.connection is not None:
-            self.connection.cancel(self.call_id)
-        self.end(_CANCELLED)
-        return True
-
-
-class LinkStreamCall(_Call):
-    """A unary-stream call (see the module docstring)."""
-
-    __slots__ = ("_messages", "_waiter", "starting")
-
-    def __init__(self, channel: LinkChannel, response_type: type[Message]) -> None:
-        super().__init__(channel, response_type)
-        self._messages: collections.deque[bytes] = collections.deque()
-        self._waiter: asyncio.Future | None = None
-        self.starting: asyncio.Future | None = None
-        """The connect-then-send of a call made while the channel had no open connection."""
-
-    async def read(self):
-        while True:
-            if self._messages:
-                return self.response_type.FromString(self._messages.popleft())
-            status = self.status
-            if status is not None:
-                if self.locally_cancelled:
-                    raise asyncio.CancelledError()
-                if status.code == grpc.StatusCode.OK:
-                    return grpc.aio.EOF
-                raise self.error()
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def take_queued(self) -> list:
-        """The responses received and not read yet, without waiting (a link call has them;
-        a gRPC call has no such call)."""
-        messages, parse = self._messages, self.response_type.FromString
-        taken = [parse(m) for m in messages]
-        messages.clear()
-        return taken
-
-    def on_message(self, payload: bytes) -> None:
-        self._messages.append(payload)
-        self._wake()
-
-    def end(self, status: LinkStatus) -> None:
-        if self.status is None:
-            self.status = status
-            if self.locally_cancelled:
-                self._messages.clear()
-            self._wake()
-
-    def cancel(self) -> bool:
-        if self.starting is not None and not self.starting.done():
-            self.starting.cancel()
-        return super().cancel()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-class _UnaryCall(_Call):
-    __slots__ = ("_payload", "_future")
-
-    def __init__(self, channel: LinkChannel, response_type: type[Message]) -> None:
-        super().__init__(channel, response_type)
-        self._payload: bytes | None = None
-        self._future = asyncio.get_running_loop().create_future()
-
-    async def result(self) -> Message:
-        await self._future
-        if self.status.code != grpc.StatusCode.OK:
-            raise self.error()
-        if self._payload is None:
-            raise LinkRpcError(LinkStatus(grpc.StatusCode.INTERNAL, "the worker ended the call without a response"),
-                               self.channel.address)
-        return self.response_type.FromString(self._payload)
-
-    def on_message(self, payload: bytes) -> None:
-        self._payload = payload
-
-    def end(self, status: LinkStatus) -> None:
-        if self.status is None:
-            self.status = status
-            if not self._future.done():
-                self._future.set_result(None)
-
-
 class ConnectionState(enum.Enum):
     OPENING = "opening"
     OPEN = "open"
@@ -320,7 +190,7 @@ class _ClientConnection(asyncio.Protocol):
         self.channel = channel
         self.state = ConnectionState.OPENING
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.calls: dict[int, _Call] = {}
+        self.calls: dict[int, Call] = {}
         self._ids = itertools.count(1)
         self._transport: asyncio.Transport | None = None
         self._writer: CoalescingWriter | None = None
@@ -333,7 +203,7 @@ class _ClientConnection(asyncio.Protocol):
     def open(self) -> bool:
         return self.state is ConnectionState.OPEN and not self._transport.is_closing()
 
-    def start(self, call: _Call, data: bytes) -> None:
+    def start(self, call: Call, data: bytes) -> None:
         call_id = next(self._ids) & MAX_CALL_ID
         while call_id == 0 or call_id in self.calls:  # after 2**32 calls on one connection
             call_id = next(self._ids) & MAX_CALL_ID
@@ -367,7 +237,7 @@ class _ClientConnection(asyncio.Protocol):
             frames = self._reader.feed(data)
         except LinkProtocolError as exc:
             self._fail_all(f"the worker broke the link's format ({exc})")
-            self.close()
+            self._transport.abort()
             return
         calls = self.calls
         for call_id, kind, payload in frames:
@@ -384,7 +254,7 @@ class _ClientConnection(asyncio.Protocol):
                         call.end(LinkStatus(grpc.StatusCode.INTERNAL, str(exc)))
             else:
                 self._fail_all(f"the worker sent a {FrameKind(kind).name} frame")
-                self.close()
+                self._transport.abort()
                 return
 
     def connection_lost(self, exc: Exception | None) -> None:

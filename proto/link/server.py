@@ -11,7 +11,9 @@ its responses go out as MESSAGE frames, then one END with its status. What ends 
                            then are cancelled
 
 A response is written when the connection can take it (the transport's flow control): a slow
-caller holds back its worker's writes instead of growing a buffer without bound.
+caller holds back its worker's writes instead of growing a buffer without bound, and a caller
+that takes nothing for WRITE_STALL_S is taken for gone (its connection closes, its calls are
+cancelled as above).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from proto.link.methods import LinkMethod
 __all__ = ["LinkAbort", "LinkContext", "LinkServer"]
 
 logger = logging.getLogger(__name__)
+
+WRITE_STALL_S = 60.0
+"""Longest a response waits for a caller that reads nothing before its connection is closed."""
 
 
 class LinkAbort(Exception):
@@ -72,7 +77,7 @@ class LinkServer:
 
     def __init__(self, secret: bytes, servicer: object, methods: Iterable[LinkMethod], host: str, port: int,
                  *, max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
-                 handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S, write_stall_s: float = WRITE_STALL_S) -> None:
         if not secret:
             raise ValueError("the cluster secret is empty")
         self._secret = secret
@@ -81,6 +86,7 @@ class LinkServer:
         self._host, self._port = host, port
         self.max_message_bytes = max_message_bytes
         self.handshake_timeout_s = handshake_timeout_s
+        self.write_stall_s = write_stall_s
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
         self.port: int | None = None
@@ -220,8 +226,10 @@ class _ServerConnection(asyncio.Protocol):
             self.close()
 
     def _broken(self, reason: str) -> None:
+        """Close at once, dropping what is buffered (a broken or stalled peer never takes it)."""
         logger.warning("closing the link connection from %s: %s", self._peer, reason)
-        self.close()
+        if self._transport is not None:
+            self._transport.abort()
 
     def close(self) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -283,9 +291,15 @@ class _ServerConnection(asyncio.Protocol):
         return data
 
     async def _send(self, call_id: int, data: bytes) -> None:
-        """One MESSAGE, once the connection can take it; CancelledError once it is closed."""
+        """One MESSAGE, once the connection can take it; CancelledError once it is closed (or
+        closed now: the caller took nothing for write_stall_s)."""
         if not self._writable.is_set():
-            await self._writable.wait()
+            try:
+                async with asyncio.timeout(self.server.write_stall_s):
+                    await self._writable.wait()
+            except TimeoutError:
+                self._broken(f"the caller took nothing for {self.server.write_stall_s:g} s")
+                raise asyncio.CancelledError() from None
         if self.state is ConnectionState.CLOSED:
             raise asyncio.CancelledError()
         self._write(frame(call_id, FrameKind.MESSAGE, data))

@@ -29,12 +29,9 @@ from router.errors import (
     RouterError,
     WorkerFailure,
 )
-from router.api.generation_routes import (  # noqa: F401 (the names are imported from here too)
+from router.api.generation_routes import (
     CLIENT_CLOSED_REQUEST,
-    PATH_HEADER,
-    ROUTE_HEADER,
     ClientDisconnected,
-    FastJSONResponse,
     GenerationFastPath,
     chat_completion,
     completion,

@@ -45,7 +45,7 @@ class FakeWorker:
                 yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenChunk(
                     token_ids=[100 + i], finish_reason="length" if last else "", stop_token_id=-1))
             self.ended[rid] = "finished"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled mid-await, or closed at a yield
             self.ended[rid] = "cancelled"
             raise
 
@@ -340,5 +340,31 @@ def test_stop_lets_calls_in_flight_finish_within_the_grace_then_cancels_the_rest
             with pytest.raises(grpc.aio.AioRpcError):
                 await hanging.read()
         assert worker.ended == {"quick": "finished", "hang-3": "cancelled"}
+
+    run(scenario)
+
+
+def test_a_caller_that_stops_reading_is_taken_for_gone_and_its_calls_are_cancelled():
+    """Every wait has a bound: a worker does not hold a stream open for a caller that takes nothing."""
+    async def scenario():
+        server, worker, address = await started(write_stall_s=0.5)
+        host, port = address.rsplit(":", 1)
+        from proto.link import handshake
+        from proto.link.frames import FrameKind, frame
+
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.transport.set_write_buffer_limits(0)
+        hello = await reader.readexactly(handshake.HELLO_BYTES)
+        proof, _ = handshake.proof_for(SECRET, handshake.nonce_of_hello(hello))
+        writer.write(proof + frame(1, FrameKind.CALL, bytes((DECODE.id,)) + decode_request("flood", 10**6).SerializeToString()))
+        await writer.drain()
+        writer.transport.pause_reading()  # takes nothing more: the worker's buffers fill, then it waits
+        for _ in range(500):
+            if worker.ended.get("flood"):
+                break
+            await asyncio.sleep(0.02)
+        assert worker.ended == {"flood": "cancelled"} and server.calls_in_flight == 0
+        writer.close()
+        await server.stop(1)
 
     run(scenario)

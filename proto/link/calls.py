@@ -1,0 +1,150 @@
+"""A link call's state on the caller's side, shaped as grpc.aio's calls (see client.py).
+
+A call holds the responses received and not yet read, and how it ended; the connection that
+carries it (client.py) hands it frames, and the call tells that connection when it is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import grpc
+from google.protobuf.message import Message
+
+from proto.link.frames import LinkStatus
+
+__all__ = ["CANCELLED", "Call", "LinkRpcError", "LinkStreamCall", "UnaryCall"]
+
+CANCELLED = LinkStatus(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+
+
+class LinkRpcError(grpc.aio.AioRpcError):
+    """A link call's error end, as grpc.aio raises it (code(), details(), trailing_metadata())."""
+
+    def __init__(self, status: LinkStatus, address: str) -> None:
+        super().__init__(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
+                         details=status.details, debug_error_string=f"worker link {address}")
+        self.status = status
+
+
+class Call:
+    """A call's state on the caller's side: responses received and not read, and its end."""
+
+    __slots__ = ("channel", "response_type", "connection", "call_id", "status", "locally_cancelled")
+
+    def __init__(self, channel, response_type: type[Message]) -> None:
+        self.channel, self.response_type = channel, response_type
+        self.connection = None
+        """The connection carrying it once sent (client.py); it is told of a cancel."""
+        self.call_id = 0
+        self.status: LinkStatus | None = None
+        self.locally_cancelled = False
+
+    def done(self) -> bool:
+        return self.status is not None
+
+    def on_message(self, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def end(self, status: LinkStatus) -> None:
+        raise NotImplementedError
+
+    def error(self) -> LinkRpcError:
+        return LinkRpcError(self.status, self.channel.address)
+
+    def cancel(self) -> bool:
+        """Cancel the call (a CANCEL to the worker when it was sent); False when it had ended."""
+        if self.status is not None:
+            return False
+        self.locally_cancelled = True
+        if self.connection is not None:
+            self.connection.cancel(self.call_id)
+        self.end(CANCELLED)
+        return True
+
+
+class LinkStreamCall(Call):
+    """A unary-stream call (see the module docstring)."""
+
+    __slots__ = ("_messages", "_waiter", "starting")
+
+    def __init__(self, channel, response_type: type[Message]) -> None:
+        super().__init__(channel, response_type)
+        self._messages: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self.starting: asyncio.Future | None = None
+        """The connect-then-send of a call made while the channel had no open connection."""
+
+    async def read(self):
+        while True:
+            if self._messages:
+                return self.response_type.FromString(self._messages.popleft())
+            status = self.status
+            if status is not None:
+                if self.locally_cancelled:
+                    raise asyncio.CancelledError()
+                if status.code == grpc.StatusCode.OK:
+                    return grpc.aio.EOF
+                raise self.error()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def take_queued(self) -> list:
+        """The responses received and not read yet, without waiting (a link call has them;
+        a gRPC call has no such call)."""
+        messages, parse = self._messages, self.response_type.FromString
+        taken = [parse(m) for m in messages]
+        messages.clear()
+        return taken
+
+    def on_message(self, payload: bytes) -> None:
+        self._messages.append(payload)
+        self._wake()
+
+    def end(self, status: LinkStatus) -> None:
+        if self.status is None:
+            self.status = status
+            if self.locally_cancelled:
+                self._messages.clear()
+            self._wake()
+
+    def cancel(self) -> bool:
+        if self.starting is not None and not self.starting.done():
+            self.starting.cancel()
+        return super().cancel()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class UnaryCall(Call):
+    __slots__ = ("_payload", "_future")
+
+    def __init__(self, channel, response_type: type[Message]) -> None:
+        super().__init__(channel, response_type)
+        self._payload: bytes | None = None
+        self._future = asyncio.get_running_loop().create_future()
+
+    async def result(self) -> Message:
+        await self._future
+        if self.status.code != grpc.StatusCode.OK:
+            raise self.error()
+        if self._payload is None:
+            raise LinkRpcError(LinkStatus(grpc.StatusCode.INTERNAL, "the worker ended the call without a response"),
+                               self.channel.address)
+        return self.response_type.FromString(self._payload)
+
+    def on_message(self, payload: bytes) -> None:
+        self._payload = payload
+
+    def end(self, status: LinkStatus) -> None:
+        if self.status is None:
+            self.status = status
+            if not self._future.done():
+                self._future.set_result(None)
