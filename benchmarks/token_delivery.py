@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--max-model-len", type=int, default=None, help="passed on to pdserve up (default: the model's)")
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = p.parse_args(argv)
     args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
@@ -71,10 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start_cluster(setting: str, kv: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_cluster(setting: str, args, log: Path) -> tuple[subprocess.Popen, str]:
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--kv-cache-memory", kv,
-           "--port", str(port), "--grpc-port", str(grpc_port), *SETTINGS[setting]]
+    cmd = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--kv-cache-memory",
+           args.kv_cache_memory, "--port", str(port), "--grpc-port", str(grpc_port), *SETTINGS[setting]]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.rounds):
             order = args.settings if k % 2 == 0 else list(reversed(args.settings))
             for setting in order:
-                process, base = start_cluster(setting, args.kv_cache_memory, Path(tmp) / f"{setting}-{k}.log")
+                process, base = start_cluster(setting, args, Path(tmp) / f"{setting}-{k}.log")
                 try:
                     r = asyncio.run(measure(base, args, tokenizer))
                 finally:
