@@ -172,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default="default")
     p.add_argument("--token-id", type=int, default=260, help="the token every answer carries (260: ' the')")
     p.add_argument("--ready-file", default=None)
-    asyncio.run(serve(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    try:
+        import uvloop  # the event loop the HTTP twins (benchmarks/instant_http_workers.py) run on
+        uvloop.run(serve(args))
+    except ImportError:
+        asyncio.run(serve(args))
     return 0
 
 

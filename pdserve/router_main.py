@@ -260,6 +260,7 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off", log_config=None,
                             access_log=False,  # one log call per request for a line nobody sees at WARNING
+                            proxy_headers=False,  # nothing reads the client's address; no X-Forwarded-* trusted
                             http=http_protocol())  # a send() per loop pass, not per ASGI message
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # we handle signals below
