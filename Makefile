@@ -56,6 +56,7 @@ bench: install
 	PYTHON=$(BIN)/python benchmarks/peers/build_llamacpp.sh
 	$(BIN)/python benchmarks/vs_llamacpp.py
 	$(BIN)/python benchmarks/router_overhead.py
+	$(BIN)/python benchmarks/token_delivery.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -244,10 +244,9 @@ def goal_lines(results: list[Measured]) -> list[str]:
                          f"({'met' if added <= 1.0 else 'NOT MET'}; goal <= 1 ms)")
             if m.floor is not None:
                 floor = m.floor.percentile_ms(50)
-                lines.append(f"  of which the client's own streamed HTTP request: {floor:.2f} ms (p50 of the decode "
-                             f"POST alone to the instant HTTP double; {ours}'s direct path makes none, the Rust "
-                             f"routers' makes two, so their added p50 is net of it): {ours} beyond it "
-                             f"{added - floor:.2f} ms")
+                lines.append(f"{ours} added p50 at {low} in flight beyond the client's own streamed HTTP request: "
+                             f"{added - floor:.2f} ms (that request alone, straight to the instant HTTP double: "
+                             f"{floor:.2f} ms; {ours}'s direct path makes none, the Rust routers' makes two)")
     if ("pdserve", top) in at and ("pdserve-grpc", top) in at:
         a, b = at["pdserve", top], at["pdserve-grpc", top]
         cpu = [1e3 * m.run.router_cpu_s / max(1, len(m.run.latencies_s)) for m in (a, b)]
