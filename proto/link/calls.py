@@ -93,13 +93,12 @@ class LinkStreamCall(Call):
             finally:
                 self._waiter = None
 
-    def take_queued(self) -> list:
-        """The responses received and not read yet, without waiting (a link call has them;
-        a gRPC call has no such call)."""
-        messages, parse = self._messages, self.response_type.FromString
-        taken = [parse(m) for m in messages]
-        messages.clear()
-        return taken
+    def read_nowait(self):
+        """The next response if it has been received already, else None (without waiting, and
+        never the end: read() tells that). A gRPC call has no such method."""
+        if self._messages:
+            return self.response_type.FromString(self._messages.popleft())
+        return None
 
     def on_message(self, payload: bytes) -> None:
         self._messages.append(payload)

@@ -6,7 +6,7 @@ grpc.aio's, so the router's call sites and their error handling serve both trans
 
   LinkStreamCall  read() -> the next response, grpc.aio.EOF after an OK end; raises LinkRpcError
                   (an AioRpcError) for an error end, asyncio.CancelledError once cancel()led;
-                  take_queued() -> the responses already received, without waiting
+                  read_nowait() -> the next response if already received, else None
   unary_unary     awaits the one response; LinkRpcError for an error end or DEADLINE_EXCEEDED
                   past its timeout (the call is cancelled on the worker then)
 
@@ -38,7 +38,6 @@ from proto.link.methods import ABORT, DECODE, PREFILL, LinkMethod
 __all__ = ["LinkChannel", "LinkDecodeStub", "LinkPrefillStub", "LinkRpcError", "LinkStreamCall"]
 
 CONNECT_TIMEOUT_S = handshake.HANDSHAKE_TIMEOUT_S
-CANCELLED = LinkStatus(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
 
 
 class LinkChannel:

@@ -40,16 +40,16 @@ def join_queued(stream, event):
     SSE event, instead of one per chunk): a router that falls behind a stream catches up
     instead of queuing. A chunk is never held back for more; streams that cannot tell what
     they hold (gRPC's) give `event` as it is."""
-    take = getattr(stream, "take_queued", None)
-    if take is None or event.WhichOneof("event") != "tokens" or event.tokens.finish_reason:
+    read_nowait = getattr(stream, "read_nowait", None)
+    if read_nowait is None or event.WhichOneof("event") != "tokens" or event.tokens.finish_reason:
         return event
-    queued = take()
-    if not queued:
+    part = read_nowait()
+    if part is None:
         return event
     joined = worker_pb2.DecodeEvent()
     chunk = joined.tokens
     timed = True
-    for part in (event, *queued):
+    for part in _up_to_the_finish(event, part, read_nowait):
         tokens = part.tokens  # every event after the ticket is a chunk of tokens
         timed = timed and len(tokens.sampled_at) == len(tokens.token_ids)
         chunk.token_ids.extend(tokens.token_ids)
@@ -59,6 +59,18 @@ def join_queued(stream, event):
     if not timed:
         del chunk.sampled_at[:]
     return joined
+
+
+def _up_to_the_finish(first, second, read_nowait):
+    """first, second, then what read_nowait() has, stopping at a finished chunk (nothing is
+    taken past it)."""
+    yield first
+    part = second
+    while part is not None:
+        yield part
+        if part.tokens.finish_reason:
+            return
+        part = read_nowait()
 
 
 def reply_delta(reply: worker_pb2.PrefillResponse, ticket: worker_pb2.Ticket) -> TokenDelta:

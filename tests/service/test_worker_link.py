@@ -368,3 +368,22 @@ def test_a_caller_that_stops_reading_is_taken_for_gone_and_its_calls_are_cancell
         await server.stop(1)
 
     run(scenario)
+
+
+def test_read_nowait_hands_out_what_has_arrived_and_never_the_end():
+    async def scenario():
+        server, _, address = await started()
+        async with LinkChannel(address, SECRET) as channel:
+            call = LinkDecodeStub(channel).Decode(decode_request("r9", 3))
+            assert call.read_nowait() is None  # nothing yet: not even sent
+            assert (await call.read()).ticket.ticket_id == 7
+            for _ in range(200):  # the worker sends the tokens right behind the ticket
+                if call.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert [call.read_nowait().tokens.token_ids[0] for _ in range(3)] == [100, 101, 102]
+            assert call.read_nowait() is None
+            assert await call.read() is grpc.aio.EOF
+        await server.stop(1)
+
+    run(scenario)

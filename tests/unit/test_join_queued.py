@@ -19,9 +19,8 @@ class Queued:
     def __init__(self, *events):
         self.events = list(events)
 
-    def take_queued(self):
-        taken, self.events = self.events, []
-        return taken
+    def read_nowait(self):
+        return self.events.pop(0) if self.events else None
 
 
 def test_chunks_received_behind_the_one_read_join_it_in_order_with_the_last_ones_finish():
@@ -46,4 +45,11 @@ def test_nothing_queued_a_finished_chunk_a_ticket_and_a_grpc_stream_pass_unchang
     assert join_queued(stream, finished) is finished and len(stream.events) == 1
     ticket = worker_pb2.DecodeEvent(ticket=worker_pb2.Ticket(ticket_id=3))
     assert join_queued(stream, ticket) is ticket and len(stream.events) == 1
-    assert join_queued(object(), event) is event  # no take_queued: a gRPC call
+    assert join_queued(object(), event) is event  # no read_nowait: a gRPC call
+
+
+def test_nothing_past_a_finished_chunk_is_taken():
+    stream = Queued(chunk([11], finish="length"), chunk([99]))
+    joined = join_queued(stream, chunk([10]))
+    assert list(joined.tokens.token_ids) == [10, 11] and joined.tokens.finish_reason == "length"
+    assert [list(e.tokens.token_ids) for e in stream.events] == [[99]]  # left for read(): a protocol error there
