@@ -135,11 +135,14 @@ def log_lines(log: Path, needle: str) -> list[str]:
 def test_worker_from_a_spec_registers_as_serving_and_sigterm_unregisters_it(tiny_model_dir, redis_url,
                                                                               tmp_path, started, role):
     spec = decode_spec(tiny_model_dir, redis_url, tmp_path, role=role)
+    if role == "prefill":  # no worker link: routers call it over gRPC
+        spec = dataclasses.replace(spec, link_port=-1)
     process, log, grpc_port, metrics_port = start(spec, tmp_path, started)
     info = registered(redis_url, f"{role}-wp")
     assert info is not None, log.read_text()
     assert (info.role, info.state, info.address, info.block_size, info.total_blocks) == (
         role, "serving", f"127.0.0.1:{grpc_port}", 16, 256)
+    assert (info.link_address == "") is (role == "prefill"), info
     assert info.metrics_address == f"127.0.0.1:{metrics_port}"
     assert worker_gauges(metrics_port) == {"pdserve_worker_in_flight": 0.0, "pdserve_worker_draining": 0.0}
 

@@ -57,8 +57,15 @@ def test_router_spec_round_trips_through_its_argv():
                       ticket_timeout_s=12.5, colocated=True, policy="least_loaded", prefill_queue_weight=0.25,
                       local_prefill_max_tokens=64, local_prefill_min_queue=512, max_queued_requests=32,
                       max_queue_wait_s=5.0, max_request_bytes=1 << 20, max_n=8, prefill_timeout_s=20.0,
-                      stream_idle_timeout_s=9.0, ready_file="/tmp/r.ready", log_level="DEBUG")
+                      stream_idle_timeout_s=9.0, ready_file="/tmp/r.ready", log_level="DEBUG", worker_link=False)
     assert RouterSpec.from_args(build_parser().parse_args(spec.to_argv())) == spec
+    assert spec.to_argv()[spec.to_argv().index("--worker-link") + 1] == "false"
+    assert "--worker-link" not in RouterSpec().to_argv()  # the default: a router of an older release takes it
+
+
+def test_pdserve_up_passes_worker_link_false_on_to_its_router():
+    args = build_parser().parse_args(["up", "--worker-link", "false"])
+    assert args.worker_link is False and RouterSpec.from_args(args).worker_link is False
 
 
 def test_router_spec_round_trips_its_planner_settings_and_passes_none_by_default():
@@ -86,7 +93,7 @@ def test_worker_spec_round_trips_through_its_argv():
     engine = EngineConfig(model="/m/tiny", tokenizer="/m/tok", dtype="float32", max_model_len=512, block_size=32,
                           kv_cache_memory=256 << 20, enable_prefix_caching=False, max_num_seqs=8, num_threads=1,
                           seed=7, cpu_packed_weights=False)
-    spec = WorkerSpec(role="prefill", engine=engine, worker_id="prefill-3", port=5001, metrics_port=5002,
+    spec = WorkerSpec(role="prefill", engine=engine, worker_id="prefill-3", port=5001, metrics_port=5002, link_port=5003,
                       redis_url="redis://127.0.0.1:6379/0", cluster="c1", transfer_timeout_s=9.0,
                       heartbeat_interval_s=0.5, heartbeat_ttl_s=2.0, kv_snapshot_interval_s=3.0,
                       drain_timeout_s=15.0, ready_file="/tmp/p.ready", log_level="DEBUG")
@@ -161,3 +168,12 @@ def test_router_spec_passes_router_workers_only_when_more_than_one():
     assert RouterSpec.from_args(build_parser().parse_args(["up", "--router-workers", "2"])).router_workers == 2
     with pytest.raises(ValueError, match="router_workers must be >= 1; got 0"):
         RouterSpec(router_workers=0)
+
+
+@pytest.mark.parametrize("link_port, ok", [(0, True), (-1, True), (50052, True), (-2, False), (65536, False)])
+def test_a_worker_link_port_is_a_port_zero_for_any_or_minus_one_for_none(link_port, ok):
+    if ok:
+        assert WorkerSpec(role="decode", link_port=link_port).link_port == link_port
+        return
+    with pytest.raises(ValueError, match=f"link_port must be 0..65535, or -1 for no link; got {link_port}"):
+        WorkerSpec(role="decode", link_port=link_port)
