@@ -27,6 +27,7 @@ import torch
 from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
 from engine.config import EngineConfig
 from engine.cpu_kernels import PagedDecodeKernel, load_decode_kernel, unsupported
+from engine.cpu_kernels.rms_norm import load_rms_norm_kernel
 from engine.device import (
     StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
 )
@@ -37,6 +38,7 @@ from engine.kv_cache.swap_pool import SwapPool, swap_blocks_for
 from engine.loader.model_loader import load_model
 from engine.loader.quant_choice import bytes_method
 from engine.loader.weights_cache import default_cache_dir
+from engine.model.llama import RMSNorm
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
 from engine.scheduler import EngineCoreOutput, Reservation, Scheduler, SchedulerStats
@@ -105,6 +107,7 @@ class EngineCore:
             from engine.model.packed_linear import pack_linears
 
             logger.info("oneDNN-packed weights for %d linears", pack_linears(loaded.module))
+        self._cpu_norm_kernel(loaded.module)
         self.model_path = loaded.path
         self.spec = loaded.spec
         self.load_seconds = loaded.load_seconds
@@ -171,6 +174,20 @@ class EngineCore:
             return None
         logger.info("CPU decode attention: C kernel %s (ready in %.1f s)", kernel.path, time.monotonic() - started)
         return kernel
+
+    def _cpu_norm_kernel(self, module: torch.nn.Module) -> None:
+        """bfloat16 on the CPU with the C kernels on (cpu_attention_kernel): the model's RMSNorms
+        run in engine.cpu_kernels.rms_norm, the residual add fused in."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not self.config.cpu_attention_kernel:
+            return
+        kernel, reason = load_rms_norm_kernel()
+        if kernel is None:
+            logger.warning("RMSNorm: torch, the C kernel is not available: %s", reason)
+            return
+        norms = [m for m in module.modules() if isinstance(m, RMSNorm)]
+        for norm in norms:
+            norm.kernel = kernel
+        logger.info("RMSNorm: C kernel %s (%d norms)", kernel.path, len(norms))
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.spec, self.config.max_model_len)

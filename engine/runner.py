@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.cpu_kernels import PagedDecodeKernel, check_tables
+from engine.cpu_kernels import PagedDecodeKernel, check_slots, check_tables
 from engine.device import StepThreads
 from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.model.rope import rope_tables
@@ -222,7 +222,11 @@ class ModelRunner:
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
             spans.append(PrefillSpan(start, end, self._context_slots(work, context_len), mask))
             start = end
-        return AttentionMetadata(slot_mapping, groups, tuple(spans), self.decode_kernel)
+        rope_decode = None
+        if self.decode_kernel is not None and groups and not spans:
+            check_slots(slot_mapping, self.kv_caches[0].shape[1] * self.block_size)
+            rope_decode = self.decode_kernel.rope_decode
+        return AttentionMetadata(slot_mapping, groups, tuple(spans), self.decode_kernel, rope_decode)
 
     def _decode_groups(self, decodes) -> tuple[DecodeGroup, ...]:
         """Decodes (token i of the step is decode i) grouped by the power of two just above

@@ -46,6 +46,7 @@ class Source:
 
 
 PAGED_DECODE = Source("paged_decode.c")
+RMS_NORM = Source("rms_norm.c")
 INT4_LINEAR = Source("int4_linear.c", ("-fopenmp",))
 """-fopenmp: its parallel loops run on the calling thread's OpenMP team. The library asks for
 libgomp.so.1 by that name, so in a process where torch has loaded its own libgomp the dynamic

@@ -25,6 +25,7 @@ MAX_HEADS = 1024
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+_ROPE_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 
 
 def unsupported(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -56,6 +57,9 @@ class PagedDecodeKernel:
             fn.argtypes = _ARGTYPES
             fn.restype = ctypes.c_int
             self._functions[dtype] = fn
+        self._rope_bf16 = loaded.library.paged_decode_rope_bf16
+        self._rope_bf16.argtypes = _ROPE_ARGTYPES
+        self._rope_bf16.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -93,6 +97,48 @@ class PagedDecodeKernel:
             raise MemoryError(f"the CPU decode kernel could not allocate its buffers (context up to "
                               f"{int(context_lens.max())} tokens)")
         return out
+
+
+    def rope_decode(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                    meta, num_heads: int, scale: float) -> torch.Tensor:
+        """A step of decodes only, in bfloat16, one call: each token's q and k heads rotated as
+        engine.model.rope.StepRope.apply does (x * cos + roll(x, half) * signed_sin, rounded as
+        torch rounds it), k and v stored into meta.slot_mapping's slots, then __call__'s attention.
+
+        qkv: [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v heads); cos and
+        signed_sin: the step's [num_seqs, 1, head_dim] rope factors; meta: the step's
+        AttentionMetadata, one decode group whose tables and slots the runner checked. Returns
+        [num_seqs, num_heads, head_dim]. Raises ValueError for arguments of other shapes or dtypes."""
+        group = meta.decodes[0]
+        _two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_seqs = qkv.shape[0]
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        for name, t in (("qkv", qkv), ("cos", cos), ("signed_sin", signed_sin), ("kv_cache", kv_cache)):
+            if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous bfloat16 CPU tensor")
+        if (qkv.shape != (num_seqs, width) or cos.numel() != num_seqs * head_dim
+                or signed_sin.numel() != num_seqs * head_dim or group.block_tables.shape[0] != num_seqs
+                or meta.slot_mapping.shape != (num_seqs,)):
+            raise ValueError(f"qkv {tuple(qkv.shape)}, rope {tuple(cos.shape)} and {num_seqs} slots do not fit "
+                             f"{num_heads} query heads over the cache {tuple(kv_cache.shape)}")
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16)
+        rc = self._rope_bf16(
+            qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), meta.slot_mapping.data_ptr(), kv_cache.data_ptr(),
+            out.data_ptr(), group.block_tables.data_ptr(), group.context_lens.data_ptr(), num_seqs,
+            group.block_tables.shape[1], num_blocks, block_size, num_kv_heads, num_heads // num_kv_heads, head_dim,
+            scale)
+        if rc != 0:
+            raise MemoryError(f"the CPU decode kernel could not allocate its buffers ({num_seqs} sequences)")
+        return out
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Raise ValueError unless every slot lies in [0, num_slots) (the kernel writes K/V there)."""
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1 or not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be a contiguous int64 vector")
+    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(f"slots must lie in [0, {num_slots}): got {int(slot_mapping.min())}.."
+                         f"{int(slot_mapping.max())}")
 
 
 def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:

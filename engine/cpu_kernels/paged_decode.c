@@ -221,6 +221,12 @@ ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(v.u >> 16);
 }
 
+ALWAYS_INLINE float bf16_value(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
 ALWAYS_INLINE void store_bf16(uint16_t *dst, const vf *src, int64_t n) {
     const float *f = (const float *)src;
     for (int64_t d = 0; d < n; d++) dst[d] = f32_to_bf16(f[d]);
@@ -282,3 +288,44 @@ int paged_decode_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *blo
 
 DEFINE_KERNEL(f32, float, load_f32, store_f32, 0)
 DEFINE_KERNEL(bf16, uint16_t, load_bf16, store_bf16, 1)
+
+/* A pure decode step's attention in one call (bfloat16): each token's q and k heads rotated,
+ * its k and v stored into its cache slot, then paged_decode_bf16 over the cache.
+ *
+ *   qkv        [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]   q, then k, then v heads
+ *   cos, ssin  [num_seqs, head_dim]   the step's rope factors in bfloat16 (engine.model.rope.StepRope:
+ *                                     sin with its first half negated)
+ *   slots      int64 [num_seqs]       flat slot (block * block_size + offset) of each token
+ *
+ * The rotation is StepRope.apply's x * cos + roll(x, head_dim / 2) * ssin with each product and
+ * the sum rounded to bfloat16, as torch computes it in bfloat16, so the cache and the attention
+ * get the same values as on the torch path. The caller checks the slots and the tables once
+ * per step (paged_attention.py). Returns paged_decode_bf16's answer. */
+int paged_decode_rope_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *ssin, const int64_t *slots,
+                           uint16_t *cache, uint16_t *out, const int64_t *block_tables,
+                           const int64_t *context_lens, int64_t num_seqs, int64_t max_blocks, int64_t num_blocks,
+                           int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale) {
+    const int64_t num_heads = num_kv_heads * group, half = head_dim / 2;
+    const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim, row = num_kv_heads * head_dim;
+    uint16_t *q = malloc((size_t)(num_seqs * num_heads * head_dim) * sizeof(uint16_t));
+    if (q == NULL) return -1;
+    uint16_t *v_cache = cache + num_blocks * block_size * row;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const uint16_t *x = qkv + s * width, *c = cos + s * head_dim, *sn = ssin + s * head_dim;
+        uint16_t *k_dst = cache + slots[s] * row, *v_dst = v_cache + slots[s] * row;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+            const uint16_t *xh = x + h * head_dim;
+            uint16_t *dst = h < num_heads ? q + (s * num_heads + h) * head_dim : k_dst + (h - num_heads) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) {
+                const float a = bf16_value(f32_to_bf16(bf16_value(xh[d]) * bf16_value(c[d])));
+                const float b = bf16_value(f32_to_bf16(bf16_value(xh[(d + half) % head_dim]) * bf16_value(sn[d])));
+                dst[d] = f32_to_bf16(a + b);
+            }
+        }
+        memcpy(v_dst, x + (num_heads + num_kv_heads) * head_dim, (size_t)row * sizeof(uint16_t));
+    }
+    const int rc = paged_decode_bf16(q, cache, out, block_tables, context_lens, num_seqs, max_blocks, num_blocks,
+                                     block_size, num_kv_heads, group, head_dim, scale);
+    free(q);
+    return rc;
+}

@@ -49,6 +49,10 @@ class AttentionMetadata:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     """CPU decode kernel (engine.cpu_kernels.PagedDecodeKernel) for the decode groups, whose
     tables the runner has checked; None: the torch path."""
+    rope_decode: Callable[..., torch.Tensor] | None = None
+    """In a step of decodes only, with the CPU decode kernel and the slots checked by the runner:
+    PagedDecodeKernel.rope_decode, which rotates q and k, stores k and v and attends in one call
+    (bfloat16; the model calls it instead of rope, write_kv and paged_attention)."""
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

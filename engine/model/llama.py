@@ -41,12 +41,30 @@ def fuse_weights(weights: dict, concat_rows) -> dict:
 
 
 class RMSNorm(nn.Module):
+    """forward(x) -> the normalized x; forward(x, residual) -> (normalized x + residual, x + residual):
+    the residual add a decoder layer makes before each norm, fused in (vLLM's shape), so the C
+    kernel can do both in one call."""
+
     def __init__(self, size: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
+        self.kernel = None
+        """engine.cpu_kernels.rms_norm.RMSNormKernel for bfloat16 rows on the CPU (the engine sets
+        it where the library builds); None: torch."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if (self.kernel is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
+                and (residual is None or (residual.dtype == torch.bfloat16 and residual.is_contiguous()))):
+            if residual is None:
+                return self.kernel(x, self.weight, self.eps)
+            return self.kernel(x, self.weight, self.eps, residual), residual  # residual += x, in place
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # HF normalises in float32, rounds to the model dtype, then scales by the weight.
         # torch.rms_norm in float32 equals that bit for bit (tests/unit/test_llama_layers.py)
         # in one op instead of six.
@@ -77,6 +95,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        if meta.rope_decode is not None and qkv.dtype == torch.bfloat16 and qkv.is_contiguous():
+            # a pure decode step on the CPU: rotation, K/V store and attention in one C call
+            o = meta.rope_decode(qkv, rope.cos, rope.signed_sin, kv_cache, meta, self.num_heads, self.scale)
+            return self.o_proj(o.view(n, self.q_size))
         qk_size = self.q_size + self.kv_size
         # q and k rotated in one pass: [n, num_heads + num_kv_heads, head_dim]
         qk = rope.apply(qkv[:, :qk_size].view(n, -1, self.head_dim))
@@ -108,9 +130,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device)
 
-    def forward(self, x, rope: StepRope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope: StepRope, kv_cache, meta):
+        """(the MLP's output, the residual stream before it): the next layer's norm adds the two
+        (residual None: x is the embedding, the stream's start)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -145,9 +173,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = StepRope.gather(cos, sin, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
