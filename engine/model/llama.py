@@ -41,9 +41,9 @@ def fuse_weights(weights: dict, concat_rows) -> dict:
 
 
 class RMSNorm(nn.Module):
-    """forward(x) -> the normalized x; forward(x, residual) -> (normalized x + residual, x + residual):
-    the residual add a decoder layer makes before each norm, fused in (vLLM's shape), so the C
-    kernel can do both in one call."""
+    """forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual): the
+    residual add a decoder layer makes before each norm, fused in (vLLM's shape), so the C kernel
+    does both in one call (it writes x + residual into `residual`)."""
 
     def __init__(self, size: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
