@@ -56,7 +56,6 @@ def test_add_rms_norm_matches_the_torch_path_within_a_bfloat16_step(norm_kernel,
         kept = residual.clone()
         got, got_residual = kernel_norm(x, kept)
         assert got_residual is kept and torch.equal(kept, want_residual)  # x + residual, in place, exact
-        assert torch.equal(kernel_norm(x), torch_norm(x)) or rows * hidden > 1000  # small rows: exact
         # The float32 sum of squares is added in its own order: where its last bit differs
         # from torch's, the normalized value moves by one bfloat16 step and the weight's
         # product by at most two.
