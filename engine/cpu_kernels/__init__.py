@@ -10,7 +10,7 @@ compiler `load_decode_kernel` says why, and the engine keeps the torch path.
 
 from __future__ import annotations
 
-from engine.cpu_kernels.loader import Loaded, load
+from engine.cpu_kernels.loader import PAGED_DECODE, Loaded, load, load_kernel
 from engine.cpu_kernels.paged_attention import PagedDecodeKernel, check_slots, check_tables, unsupported
 
 __all__ = ["Loaded", "PagedDecodeKernel", "check_slots", "check_tables", "load", "load_decode_kernel", "unsupported"]
@@ -18,7 +18,4 @@ __all__ = ["Loaded", "PagedDecodeKernel", "check_slots", "check_tables", "load",
 
 def load_decode_kernel() -> tuple[PagedDecodeKernel | None, str]:
     """(the kernel, "") or (None, why there is none)."""
-    loaded = load()
-    if loaded.library is None:
-        return None, loaded.reason
-    return PagedDecodeKernel(loaded), ""
+    return load_kernel(PAGED_DECODE, PagedDecodeKernel)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_kernels.loader import INT4_LINEAR, Loaded, load
+from engine.cpu_kernels.loader import INT4_LINEAR, Loaded, load_kernel
 
 GROUP = 32
 """Weights per (d, m) pair (int4_linear.c's GROUP): GGUF's block."""
@@ -102,10 +102,4 @@ class Int4Kernel:
 
 def load_int4_kernel() -> tuple[Int4Kernel | None, str]:
     """(the kernel, "") or (None, why there is none)."""
-    loaded = load(INT4_LINEAR)
-    if loaded.library is None:
-        return None, loaded.reason
-    try:
-        return Int4Kernel(loaded), ""
-    except ValueError as e:
-        return None, str(e)
+    return load_kernel(INT4_LINEAR, Int4Kernel)

@@ -19,8 +19,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from engine.loader.weights_cache import default_cache_dir
 
@@ -139,6 +141,21 @@ def load(source: Source = PAGED_DECODE) -> Loaded:
         if source not in _loaded:
             _loaded[source] = _load(source)
         return _loaded[source]
+
+
+K = TypeVar("K")
+
+
+def load_kernel(source: Source, wrap: Callable[[Loaded], K]) -> tuple[K | None, str]:
+    """(wrap(the library of `source`), "") or (None, why there is none: no library, or the
+    ValueError wrap raised, e.g. a CPU without the instructions it needs)."""
+    loaded = load(source)
+    if loaded.library is None:
+        return None, loaded.reason
+    try:
+        return wrap(loaded), ""
+    except ValueError as e:
+        return None, str(e)
 
 
 def _load(source: Source = PAGED_DECODE) -> Loaded:

@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from engine.cpu_kernels.loader import RMS_NORM, Loaded, load
+from engine.cpu_kernels.loader import RMS_NORM, Loaded, load_kernel
 
 LANES = 16
 """The row width must be a multiple of this (rms_norm.c's LANES)."""
@@ -50,7 +50,4 @@ class RMSNormKernel:
 
 def load_rms_norm_kernel() -> tuple[RMSNormKernel | None, str]:
     """(the kernel, "") or (None, why there is none)."""
-    loaded = load(RMS_NORM)
-    if loaded.library is None:
-        return None, loaded.reason
-    return RMSNormKernel(loaded), ""
+    return load_kernel(RMS_NORM, RMSNormKernel)
