@@ -1,5 +1,6 @@
 """Int4 linears on the CPU (int4_linear.c): bfloat16 activations times weights kept as 4-bit codes
-with a float16 (d, m) pair per group of 32, GGUF Q4_1's block split into two arrays.
+with a float16 (d, m) pair per group of 32, GGUF Q4_1's block split into two arrays; and the same
+for GGUF Q8_0 blocks (int8 codes, a float16 d per 32), which a Q4 GGUF's head often is.
 
 torch's own int4 CPU kernel (engine.model.quantized_linear's fallback) was about as fast at batch
 1 and lost to dense bfloat16 from batch 8 and on prefill, so `--quantization auto` kept GGUF
@@ -61,7 +62,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 class Int4Kernel:
     """The functions of one loaded library (int4_linear.c)."""
 
-    def __init__(self, loaded: Loaded) -> None:
+    def __init__(self, loaded: Loaded, threads: int = 0) -> None:
         if loaded.library is None:
             raise ValueError(f"no kernel library: {loaded.reason}")
         self.path = loaded.path
@@ -70,11 +71,20 @@ class Int4Kernel:
         if not lib.int4_linear_supported():
             raise ValueError("this CPU has no AVX512-BF16 (the kernel computes in bfloat16 dot products)")
         self._linear = lib.int4_linear_bf16
-        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._linear.restype = ctypes.c_int
+        self._q8_linear = lib.q8_linear_bf16
+        self._q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._q8_linear.restype = ctypes.c_int
         self._dequantize = lib.int4_dequantize_bf16
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
         self._dequantize.restype = ctypes.c_int
+        if threads < 0:
+            raise ValueError(f"threads must be >= 0, got {threads}")
+        self.threads = threads
+        """OpenMP threads of a `linear` call; 0: the calling thread's (torch's setting at the time).
+        The engine gives all of its threads, also in the decode steps it runs torch on one thread
+        (engine.device.StepThreads says why the kernel is the exception)."""
 
     def linear(self, x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16. Rows above MAX_KERNEL_ROWS go through
@@ -87,8 +97,22 @@ class Int4Kernel:
         x = x.contiguous()
         y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
         if self._linear(x.data_ptr(), weight.codes.data_ptr(), weight.dm.data_ptr(), y.data_ptr(),
-                        x.shape[0], out, cols):
+                        x.shape[0], out, cols, self.threads):
             raise ValueError(f"int4_linear_bf16 refused {list(x.shape)} x {[out, cols]}")
+        return y
+
+    def q8_linear(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] bfloat16 times GGUF Q8_0 blocks (codes [out, in] int8, d [out, in // 32]
+        float16, both contiguous) -> [rows, out] bfloat16, each weight q * d rounded to bfloat16.
+        Every batch size goes through the kernel (past 8 rows it expands each chunk of rows once)."""
+        out, cols = codes.shape
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cols:
+            raise ValueError(f"x must be [rows, {cols}] bfloat16, got {list(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
+        if self._q8_linear(x.data_ptr(), codes.data_ptr(), d.data_ptr(), y.data_ptr(), x.shape[0], out, cols,
+                           self.threads):
+            raise ValueError(f"q8_linear_bf16 refused {list(x.shape)} x {[out, cols]}")
         return y
 
     def dequantize(self, weight: PackedInt4) -> torch.Tensor:
@@ -100,6 +124,7 @@ class Int4Kernel:
         return w
 
 
-def load_int4_kernel() -> tuple[Int4Kernel | None, str]:
-    """(the kernel, "") or (None, why there is none)."""
-    return load_kernel(INT4_LINEAR, Int4Kernel)
+def load_int4_kernel(threads: int = 0) -> tuple[Int4Kernel | None, str]:
+    """(the kernel, its calls on `threads` threads (0: torch's at the time), "") or (None, why
+    there is none)."""
+    return load_kernel(INT4_LINEAR, lambda loaded: Int4Kernel(loaded, threads))

@@ -17,7 +17,8 @@ from engine.loader.quant_choice import auto_keeps_q4, is_linear, resolve_quantiz
 from engine.loader.spec_reader import read_spec
 from engine.model import MODEL_FAMILIES
 from engine.model.quantized_linear import (
-    QuantizedWeight, concat_rows, install_quantized_linears, kernels_available, quantize_int4, quantize_int8,
+    QuantizedWeight, concat_rows, install_quantized_linears, kernel_computes, kernels_available, quantize_int4,
+    quantize_int8,
 )
 from engine.model.spec import ModelSpec
 
@@ -59,11 +60,13 @@ def load_model(
     cache_dir: Path | None = None,
     quantization: str = "none",
     cpu_int4_kernel: bool = True,
+    kernel_threads: int = 0,
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with its weights, the decoder's linears quantized
     as `quantization` (EngineConfig.quantization) resolves here; on CPU, int4 linears run in
     this project's C kernel when `cpu_int4_kernel` and it loads (_int4_kernel), and only then does
-    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4). Raises on missing
+    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4); its calls run on `kernel_threads`
+    threads (0: torch's setting at each call). Raises on missing
     tensors, and ValueError for int4/int8 on a device without the kernels."""
     started = time.perf_counter()
     path = resolve_model_path(model)
@@ -71,12 +74,13 @@ def load_model(
     dtype_name = str(dtype).removeprefix("torch.")
     wants_kernel = cpu_int4_kernel and device.type == "cpu" and (
         quantization in ("int4", "gguf") or (quantization == "auto" and auto_keeps_q4(path, device.type, dtype_name)))
-    kernel = _int4_kernel() if wants_kernel else None
+    kernel = _int4_kernel(kernel_threads) if wants_kernel else None
     method = resolve_quantization(quantization, path, device.type, kernels_available(device.type), dtype_name,
                                   fast_int4=kernel is not None)
     if method not in ("int4", "gguf"):
         kernel = None
-    weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method)
+    q8_head = kernel is not None and kernel_computes(dtype)
+    weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method, q8_head)
     module = build_module(spec, weights, dtype, device, quantized, kernel)
     del weights, quantized
     _return_freed_memory()
@@ -89,10 +93,10 @@ def load_model(
     return LoadedModel(module, spec, path, seconds, from_cache, method)
 
 
-def _int4_kernel() -> Int4Kernel | None:
+def _int4_kernel(threads: int) -> Int4Kernel | None:
     """The C int4 kernel, or None with the reason logged (int4 linears then use torch's kernel,
     and --quantization auto stays dense)."""
-    kernel, reason = load_int4_kernel()
+    kernel, reason = load_int4_kernel(threads)
     if kernel is None:
         logger.warning("int4 linears: the C kernel is not available (auto stays dense; int4/gguf use torch's "
                        "kernel): %s", reason)
@@ -114,11 +118,12 @@ def _return_freed_memory() -> None:
 
 
 def _read_weights(
-    path: Path, spec: ModelSpec, cache_dir: Path | None, method: str
+    path: Path, spec: ModelSpec, cache_dir: Path | None, method: str, q8_head: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight], bool]:
     """(dense weights, quantized decoder linears, read from the weights cache). A GGUF kept
-    quantized is read in one pass without the dense cache (engine/loader/gguf_quant.py); an HF
-    folder's linears are quantized here, popped from its dense weights as they go."""
+    quantized is read in one pass without the dense cache (engine/loader/gguf_quant.py; a Q8_0
+    head keeps its blocks when `q8_head`: the C kernel will compute with them); an HF folder's
+    linears are quantized here, popped from its dense weights as they go."""
     if path.is_dir():
         from engine.loader.hf_loader import read_hf_weights
 
@@ -133,7 +138,7 @@ def _read_weights(
         return weights, {}, from_cache
     from engine.loader.gguf_quant import read_gguf_quantized
 
-    return (*read_gguf_quantized(path, spec, method), False)
+    return (*read_gguf_quantized(path, spec, method, q8_head), False)
 
 
 def build_module(

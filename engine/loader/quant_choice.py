@@ -58,16 +58,22 @@ def resolve_quantization(quantization: str, path: Path, device_type: str, has_ke
     return "none"
 
 
-def lm_head_quantization(linear_scheme: str, head_type: str | None) -> str:
-    """How the output projection is held ("int4" or "none"): int4 only beside int4 linears and
-    when the file's head tensor (output.weight, or token_embd.weight when tied; `head_type` its
+def lm_head_quantization(linear_scheme: str, head_type: str | None, q8_kernel: bool = False) -> str:
+    """How the output projection is held ("int4", "q8_0" or "none"): int4 only beside int4 linears
+    and when the file's head tensor (output.weight, or token_embd.weight when tied; `head_type` its
     GGUF type, None for an HF folder) is Q4_0/Q4_1, whose blocks it keeps exactly, as llama.cpp
-    computes with the file's own type. Speed would say int4 everywhere (49152x576 at 1 thread:
+    computes with the file's own type; q8_0 beside int4 linears when the head is Q8_0 and the C
+    kernel computes (`q8_kernel`): its blocks kept, each weight the value the dense head would hold,
+    at half the bytes a token (the 49152 x 576 head of SmolLM2 at 2 threads: 1.5 ms against 4.5). Speed would say int4 everywhere (49152x576 at 1 thread:
     int4 1.6 ms, oneDNN-packed bfloat16 3.5 ms, torch's int8 kernel 3.8 ms), but re-quantizing
     SmolLM2's Q8_0 head to int4 moved the first token off llama.cpp's top-1 on 3 of 30 prompts
     and halved greedy agreement (tests/lifecycle/test_quantized_matches_llamacpp.py), so any
     other head stays dense, as does a tied embedding (a gather, not a matmul)."""
-    return "int4" if linear_scheme == "int4" and head_type in ("Q4_0", "Q4_1") else "none"
+    if linear_scheme != "int4":
+        return "none"
+    if head_type in ("Q4_0", "Q4_1"):
+        return "int4"
+    return "q8_0" if head_type == "Q8_0" and q8_kernel else "none"
 
 
 def gguf_linear_types(path: Path) -> set[str]:

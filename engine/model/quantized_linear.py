@@ -62,7 +62,19 @@ class Int8Weight:
         return self.codes.to(torch.float32) * self.scales[:, None]
 
 
-QuantizedWeight = Int4Weight | Int8Weight
+@dataclass(frozen=True)
+class Q8BlockWeight:
+    """A [out, in] weight as GGUF's Q8_0 blocks: w[r, c] = codes[r, c] * d[r, c // 32], d float16
+    (the file's bits). Only the C kernel computes with it (KernelQ8Linear)."""
+
+    codes: torch.Tensor  # [out, in] int8
+    d: torch.Tensor  # [out, in // 32] float16
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.to(torch.float32) * self.d.to(torch.float32).repeat_interleave(INT4_GROUP_SIZE, 1)
+
+
+QuantizedWeight = Int4Weight | Int8Weight | Q8BlockWeight
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
@@ -105,6 +117,11 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernels' fast activation dtypes (module docstring); float32 computes in bfloat16."""
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def kernel_computes(dtype: torch.dtype) -> bool:
+    """Whether the C kernel (bfloat16 only) computes the quantized linears of a model in `dtype`."""
+    return _compute_dtype(dtype) == torch.bfloat16
 
 
 class Int4Linear(nn.Module):
@@ -183,12 +200,35 @@ class KernelInt4Linear(nn.Module):
         return _restore(self.kernel.linear(rows, self.packed), x)
 
 
+class KernelQ8Linear(nn.Module):
+    """A linear on GGUF Q8_0 blocks through this project's C kernel (engine.cpu_kernels.int4_matmul):
+    each weight q * d rounded to bfloat16, the values the dense path holds, read at half the bytes."""
+
+    def __init__(self, weight: Q8BlockWeight, kernel: Int4Kernel) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        self.kernel = kernel
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("d", weight.d.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
+        return _restore(self.kernel.q8_linear(rows, self.codes, self.d), x)
+
+
 def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None) -> nn.Module:
     """The module for one quantized weight: int4 through `int4_kernel` when given and the weight
-    fits it (engine.cpu_kernels.int4_matmul.pack says when not), else torch's kernels."""
+    fits it (engine.cpu_kernels.int4_matmul.pack says when not), else torch's kernels; Q8_0 blocks
+    only through the kernel, in bfloat16 (ValueError otherwise)."""
+    if isinstance(weight, Q8BlockWeight):
+        if int4_kernel is None or not kernel_computes(dtype):
+            raise ValueError("Q8_0 blocks are computed only by the C kernel, in bfloat16")
+        return KernelQ8Linear(weight, int4_kernel)
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, dtype)
-    if int4_kernel is not None and _compute_dtype(dtype) == torch.bfloat16:
+    if int4_kernel is not None and kernel_computes(dtype):
         packed = pack(weight.codes, weight.scales, weight.zeros, weight.group_size)
         if isinstance(packed, PackedInt4):
             return KernelInt4Linear(packed, int4_kernel)

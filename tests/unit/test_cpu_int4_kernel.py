@@ -10,9 +10,10 @@ import torch
 
 from engine.cpu_kernels import loader
 from engine.cpu_kernels.int4_matmul import GROUP, MAX_KERNEL_ROWS, PackedInt4, load_int4_kernel, pack
-from engine.loader.gguf_quant import q4_blocks_to_int4
+from engine.loader.gguf_quant import q4_blocks_to_int4, q8_blocks
 from engine.model.quantized_linear import (
-    Int4Linear, Int4Weight, KernelInt4Linear, kernels_available, quantize_int4, quantized_linear,
+    Int4Linear, Int4Weight, KernelInt4Linear, KernelQ8Linear, Q8BlockWeight, kernels_available, quantize_int4,
+    quantized_linear,
 )
 
 KERNEL, WHY = load_int4_kernel()
@@ -78,6 +79,73 @@ def test_two_threads_give_the_same_bits_as_one():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # each output row is one thread's sum, in one order
+
+
+def test_a_kernel_given_its_own_thread_count_keeps_it_under_torchs_single_thread():
+    """The engine's decode steps run torch on one thread and the kernel on all (StepThreads)."""
+    two, why = load_int4_kernel(threads=2)
+    assert two is not None, why
+    weight = pack(*_parts(_weight(200, 576)))
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(two.linear(x, weight), KERNEL.linear(x, weight))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        type(KERNEL)(loader.load(loader.INT4_LINEAR), -1)
+
+
+def _q8_weight(rows: int, cols: int, seed: int = 0) -> Q8BlockWeight:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator)
+    d = (torch.rand(rows, cols // GROUP, generator=generator) * 0.01 + 1e-4).to(torch.float16)
+    return Q8BlockWeight(codes, d)
+
+
+def test_q8_0_blocks_multiply_as_q_times_d_rounded_to_bfloat16_for_every_batch_size():
+    for rows, cols in [(1, 32), (7, 64), (130, 576)]:
+        weight = _q8_weight(rows, cols)
+        # the dense path's values: q * d in float32 (exact), then bfloat16
+        w = weight.dequantize().to(torch.bfloat16).to(torch.float64)
+        linear = quantized_linear(weight, torch.bfloat16, KERNEL)
+        assert isinstance(linear, KernelQ8Linear)
+        generator = torch.Generator().manual_seed(1)
+        for m in (1, 2, 4, 5, 8, 9, 17, 40):
+            x = torch.randn(m, cols, generator=generator).to(torch.bfloat16)
+            y = linear(x)
+            assert (y.dtype, y.shape) == (torch.bfloat16, (m, rows))
+            ref = x.to(torch.float64) @ w.T
+            tolerance = 2.0 ** -8 * ref.abs() + 1e-4 * ref.abs().max()
+            assert ((y.to(torch.float64) - ref).abs() <= tolerance).all(), (rows, cols, m)
+
+
+def test_q8_0_on_small_integers_is_exact_and_needs_the_kernel_in_bfloat16():
+    codes = (torch.arange(64) - 32 + 7 * torch.arange(3)[:, None]).to(torch.int8)
+    d = torch.tensor([[1.0, 0.5]] * 3, dtype=torch.float16)
+    linear = quantized_linear(Q8BlockWeight(codes, d), torch.bfloat16, KERNEL)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    x[0, 3] = 1  # group 0: q * 1
+    x[1, 40] = 2  # group 1: q * 0.5 * 2
+    assert torch.equal(linear(x).float(), torch.stack((codes[:, 3].float(), codes[:, 40].float())))
+    with pytest.raises(ValueError, match="only by the C kernel, in bfloat16"):
+        quantized_linear(Q8BlockWeight(codes, d), torch.bfloat16, None)
+    with pytest.raises(ValueError, match="only by the C kernel, in bfloat16"):
+        quantized_linear(Q8BlockWeight(codes, d), torch.float16, KERNEL)
+    with pytest.raises(ValueError, match=r"x must be \[rows, 64\] bfloat16"):
+        KERNEL.q8_linear(torch.zeros(2, 64), codes, d)
+
+
+def test_gguf_q8_0_blocks_keep_their_codes_and_float16_d_bit_for_bit():
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(5, 18, 34), dtype=np.uint8)
+    d = (rng.standard_normal((5, 18)) * 0.01).astype(np.float16)
+    blocks[..., 0:2] = d[..., None].view(np.uint8)
+    weight = q8_blocks(blocks.reshape(5, -1))
+    assert weight.codes.dtype == torch.int8 and weight.codes.shape == (5, 576)
+    assert np.array_equal(weight.codes.numpy().view(np.uint8), blocks[..., 2:].reshape(5, -1))
+    assert np.array_equal(weight.d.numpy(), d)
 
 
 def test_the_library_runs_on_torchs_own_openmp_runtime():

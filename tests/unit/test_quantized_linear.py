@@ -158,12 +158,16 @@ def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method,
     assert len(out.token_ids) == 6
 
 
-def test_the_lm_head_is_int4_only_beside_int4_linears_and_from_a_q4_head():
+def test_the_lm_head_is_quantized_only_beside_int4_linears_and_from_a_q4_or_q8_0_head():
     from engine.loader.quant_choice import lm_head_quantization
 
     assert [lm_head_quantization("int4", t) for t in ("Q4_0", "Q4_1", "Q8_0", "F16", None)] == [
         "int4", "int4", "none", "none", "none"]
+    # a Q8_0 head keeps its blocks only where the C kernel computes them
+    assert [lm_head_quantization("int4", t, q8_kernel=True) for t in ("Q4_1", "Q8_0", "F16", None)] == [
+        "int4", "q8_0", "none", "none"]
     assert lm_head_quantization("int8", "Q4_0") == "none"
+    assert lm_head_quantization("int8", "Q8_0", q8_kernel=True) == "none"
 
 
 def test_quantization_is_a_checked_engine_setting_that_specs_pass_on():
