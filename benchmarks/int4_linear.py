@@ -112,8 +112,8 @@ def main() -> None:
         f"come from memory; bfloat16 activations; ms for all {layers} layers, median of {repeat} rounds",
         "- C kernel: engine.cpu_kernels.int4_matmul (up to 32 rows through the kernel, more: dequantize + dense "
         "matmul); torch int4: _weight_int4pack_mm_for_cpu; dense bf16: oneDNN-packed weights of the same values",
-        f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (torch on 1 for steps of <= 4 "
-        f"tokens, the default --decode-threads; the C kernel on 2 in every step), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
+        f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (1 for steps of <= 4 tokens, the "
+        f"default --decode-threads), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
         "median of the steps in which every request decodes",
     ], write=not (args.quick or args.no_results))
 

@@ -70,11 +70,10 @@ class StepThreads:
     Switching re-forms the thread team (milliseconds), so the runner switches only when the kind
     of step changes, not every step.
 
-    The C quantized-linear kernel (engine.cpu_kernels.int4_matmul) is the exception: it runs on
-    all `full` threads in every step (EngineCore gives it its thread count). A call is one
-    OpenMP region over thousands of output rows, one barrier at its end, 120 a token: at batch 1
-    on the 2-core EPYC the in-process decode step went from ~20 to ~15 ms with it (and the Q8_0
-    head) on two threads."""
+    The C int4/Q8_0 kernel (engine.cpu_kernels.int4_matmul) follows the same setting. It is one
+    OpenMP region a call (120 a token), and in-process two threads made the batch-1 step ~15 ms
+    against ~20; served (colocated, 2 cores), they made it 20-23 ms against 14-17 on one.
+    Measured 2026-11-27."""
 
     full: int
     small: int

@@ -82,9 +82,8 @@ class Int4Kernel:
         if threads < 0:
             raise ValueError(f"threads must be >= 0, got {threads}")
         self.threads = threads
-        """OpenMP threads of a `linear` call; 0: the calling thread's (torch's setting at the time).
-        The engine gives all of its threads, also in the decode steps it runs torch on one thread
-        (engine.device.StepThreads says why the kernel is the exception)."""
+        """OpenMP threads of a call; 0 (the engine's): the calling thread's, torch's setting at the
+        time (engine.device.StepThreads). Benchmarks and tests set their own."""
 
     def linear(self, x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16. Rows above MAX_KERNEL_ROWS go through

@@ -60,13 +60,11 @@ def load_model(
     cache_dir: Path | None = None,
     quantization: str = "none",
     cpu_int4_kernel: bool = True,
-    kernel_threads: int = 0,
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with its weights, the decoder's linears quantized
     as `quantization` (EngineConfig.quantization) resolves here; on CPU, int4 linears run in
     this project's C kernel when `cpu_int4_kernel` and it loads (_int4_kernel), and only then does
-    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4); its calls run on `kernel_threads`
-    threads (0: torch's setting at each call). Raises on missing
+    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4). Raises on missing
     tensors, and ValueError for int4/int8 on a device without the kernels."""
     started = time.perf_counter()
     path = resolve_model_path(model)
@@ -74,7 +72,7 @@ def load_model(
     dtype_name = str(dtype).removeprefix("torch.")
     wants_kernel = cpu_int4_kernel and device.type == "cpu" and (
         quantization in ("int4", "gguf") or (quantization == "auto" and auto_keeps_q4(path, device.type, dtype_name)))
-    kernel = _int4_kernel(kernel_threads) if wants_kernel else None
+    kernel = _int4_kernel() if wants_kernel else None
     method = resolve_quantization(quantization, path, device.type, kernels_available(device.type), dtype_name,
                                   fast_int4=kernel is not None)
     if method not in ("int4", "gguf"):
@@ -93,10 +91,10 @@ def load_model(
     return LoadedModel(module, spec, path, seconds, from_cache, method)
 
 
-def _int4_kernel(threads: int) -> Int4Kernel | None:
+def _int4_kernel() -> Int4Kernel | None:
     """The C int4 kernel, or None with the reason logged (int4 linears then use torch's kernel,
     and --quantization auto stays dense)."""
-    kernel, reason = load_int4_kernel(threads)
+    kernel, reason = load_int4_kernel()
     if kernel is None:
         logger.warning("int4 linears: the C kernel is not available (auto stays dense; int4/gguf use torch's "
                        "kernel): %s", reason)
