@@ -29,7 +29,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -84,8 +83,10 @@ static inline __m512bh group_weights(const uint8_t *codes, const uint16_t *dm)
 static inline __m512bh group_weights_q8(const int8_t *codes, float d)
 {
     const __m512 scale = _mm512_set1_ps(d);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), scale);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))), scale);
+    const __m512i q_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512i q_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), scale);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), scale);
     return _mm512_cvtne2ps_pbh(hi, lo); /* weights 0..15 in the low half */
 }
 
@@ -181,7 +182,8 @@ typedef void (*tile_fn)(const uint8_t *, const uint16_t *, const uint16_t *, con
                         int64_t);
 #define TILE(R, MB, FROM) \
     static void tile_##R##_##MB##_##FROM(const uint8_t *c, const uint16_t *s, const uint16_t *w, const uint16_t *x, \
-                                         int64_t K, uint16_t *y, int64_t ldy) { tile(c, s, w, x, K, R, MB, FROM, y, ldy); }
+                                         int64_t K, uint16_t *y, int64_t ldy) \
+    { tile(c, s, w, x, K, R, MB, FROM, y, ldy); }
 #define TILES(FROM) \
     TILE(4, 1, FROM) TILE(4, 2, FROM) TILE(4, 3, FROM) TILE(4, 4, FROM) \
     TILE(2, 5, FROM) TILE(2, 6, FROM) TILE(2, 7, FROM) TILE(2, 8, FROM) \
@@ -206,11 +208,12 @@ static void expand_rows(const uint8_t *codes, const uint16_t *scales, int q8, in
 {
     const int64_t groups = K / GROUP;
     for (int64_t n = n0; n < n1; n++)
-        for (int64_t g = 0; g < groups; g++)
-            _mm512_storeu_si512((void *)(out + (n - n0) * K + g * GROUP),
-                                q8 ? (__m512i)group_weights_q8_h((const int8_t *)codes + n * K + g * GROUP,
-                                                                  scales + n * groups + g)
-                                   : (__m512i)group_weights(codes + n * (K / 2) + g * 16, scales + (n * groups + g) * 2));
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512bh w = q8 ? group_weights_q8_h((const int8_t *)codes + n * K + g * GROUP,
+                                                       scales + n * groups + g)
+                                  : group_weights(codes + n * (K / 2) + g * 16, scales + (n * groups + g) * 2);
+            _mm512_storeu_si512((void *)(out + (n - n0) * K + g * GROUP), (__m512i)w);
+        }
 }
 
 /* This thread's buffer for CHUNK dequantized rows (kept for the thread's life, grown as needed). */
@@ -257,14 +260,13 @@ static int output_rows(const uint8_t *codes, const uint16_t *scales, int q8, con
     return 0;
 }
 
-/* Output rows in chunks of CHUNK across `threads` OpenMP threads (0: the calling thread's team). */
+/* Output rows in chunks of CHUNK across the calling thread's OpenMP team. */
 static int linear(const uint16_t *x, const uint8_t *codes, const uint16_t *scales, int q8, uint16_t *y, int64_t M,
-                  int64_t N, int64_t K, int threads)
+                  int64_t N, int64_t K)
 {
     const int64_t chunks = (N + CHUNK - 1) / CHUNK;
     int failed = 0;
-    if (threads == 0) threads = omp_get_max_threads();
-#pragma omp parallel for schedule(static) reduction(| : failed) num_threads(threads)
+#pragma omp parallel for schedule(static) reduction(| : failed)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
         failed |= output_rows(codes, scales, q8, x, M, N, K, n0, n1, y);
@@ -274,30 +276,30 @@ static int linear(const uint16_t *x, const uint8_t *codes, const uint16_t *scale
 
 #endif /* __AVX512BF16__ */
 
-/* y[M, N] = x[M, K] @ W^T, all contiguous, x and y bfloat16, W as int4 codes and (d, m) pairs, on
-   `threads` OpenMP threads (0: the calling thread's team size). 0 on success, -1 for bad shapes or
-   a build without AVX512-BF16, -2 when a thread's row buffer could not be allocated. */
+/* y[M, N] = x[M, K] @ W^T, all contiguous, x and y bfloat16, W as int4 codes and (d, m) pairs.
+   0 on success, -1 for bad shapes or a build without AVX512-BF16, -2 when a thread's row buffer
+   could not be allocated. */
 int int4_linear_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *dm, uint16_t *y,
-                     int64_t M, int64_t N, int64_t K, int threads)
+                     int64_t M, int64_t N, int64_t K)
 {
 #if defined(__AVX512BF16__)
-    if (M <= 0 || N <= 0 || K <= 0 || K % GROUP || threads < 0) return -1;
-    return linear(x, codes, dm, 0, y, M, N, K, threads);
+    if (M <= 0 || N <= 0 || K <= 0 || K % GROUP) return -1;
+    return linear(x, codes, dm, 0, y, M, N, K);
 #else
-    (void)x; (void)codes; (void)dm; (void)y; (void)M; (void)N; (void)K; (void)threads;
+    (void)x; (void)codes; (void)dm; (void)y; (void)M; (void)N; (void)K;
     return -1;
 #endif
 }
 
 /* The same with W as Q8_0 codes (int8) and one float16 d per group of 32. */
 int q8_linear_bf16(const uint16_t *x, const int8_t *codes, const uint16_t *d, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int threads)
+                   int64_t M, int64_t N, int64_t K)
 {
 #if defined(__AVX512BF16__)
-    if (M <= 0 || N <= 0 || K <= 0 || K % GROUP || threads < 0) return -1;
-    return linear(x, (const uint8_t *)codes, d, 1, y, M, N, K, threads);
+    if (M <= 0 || N <= 0 || K <= 0 || K % GROUP) return -1;
+    return linear(x, (const uint8_t *)codes, d, 1, y, M, N, K);
 #else
-    (void)x; (void)codes; (void)d; (void)y; (void)M; (void)N; (void)K; (void)threads;
+    (void)x; (void)codes; (void)d; (void)y; (void)M; (void)N; (void)K;
     return -1;
 #endif
 }

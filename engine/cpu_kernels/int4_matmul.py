@@ -62,7 +62,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 class Int4Kernel:
     """The functions of one loaded library (int4_linear.c)."""
 
-    def __init__(self, loaded: Loaded, threads: int = 0) -> None:
+    def __init__(self, loaded: Loaded) -> None:
         if loaded.library is None:
             raise ValueError(f"no kernel library: {loaded.reason}")
         self.path = loaded.path
@@ -71,48 +71,30 @@ class Int4Kernel:
         if not lib.int4_linear_supported():
             raise ValueError("this CPU has no AVX512-BF16 (the kernel computes in bfloat16 dot products)")
         self._linear = lib.int4_linear_bf16
-        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._linear.restype = ctypes.c_int
         self._q8_linear = lib.q8_linear_bf16
-        self._q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._q8_linear.restype = ctypes.c_int
+        for fn in (self._linear, self._q8_linear):  # (x, codes, scales, y, M, N, K)
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            fn.restype = ctypes.c_int
         self._dequantize = lib.int4_dequantize_bf16
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
         self._dequantize.restype = ctypes.c_int
-        if threads < 0:
-            raise ValueError(f"threads must be >= 0, got {threads}")
-        self.threads = threads
-        """OpenMP threads of a call; 0 (the engine's): the calling thread's, torch's setting at the
-        time (engine.device.StepThreads). Benchmarks and tests set their own."""
 
     def linear(self, x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16. Rows above MAX_KERNEL_ROWS go through
         the dense matmul on the dequantized weight."""
         out, cols = weight.shape
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cols:
-            raise ValueError(f"x must be [rows, {cols}] bfloat16, got {list(x.shape)} {x.dtype}")
+        _check_rows(x, cols)
         if x.shape[0] > MAX_KERNEL_ROWS:
             return torch.nn.functional.linear(x, self.dequantize(weight))
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
-        if self._linear(x.data_ptr(), weight.codes.data_ptr(), weight.dm.data_ptr(), y.data_ptr(),
-                        x.shape[0], out, cols, self.threads):
-            raise ValueError(f"int4_linear_bf16 refused {list(x.shape)} x {[out, cols]}")
-        return y
+        return _run(self._linear, "int4_linear_bf16", x, weight.codes, weight.dm, out)
 
     def q8_linear(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """x [rows, in] bfloat16 times GGUF Q8_0 blocks (codes [out, in] int8, d [out, in // 32]
         float16, both contiguous) -> [rows, out] bfloat16, each weight q * d rounded to bfloat16.
         Every batch size goes through the kernel (past 8 rows it expands each chunk of rows once)."""
         out, cols = codes.shape
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cols:
-            raise ValueError(f"x must be [rows, {cols}] bfloat16, got {list(x.shape)} {x.dtype}")
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
-        if self._q8_linear(x.data_ptr(), codes.data_ptr(), d.data_ptr(), y.data_ptr(), x.shape[0], out, cols,
-                           self.threads):
-            raise ValueError(f"q8_linear_bf16 refused {list(x.shape)} x {[out, cols]}")
-        return y
+        _check_rows(x, cols)
+        return _run(self._q8_linear, "q8_linear_bf16", x, codes, d, out)
 
     def dequantize(self, weight: PackedInt4) -> torch.Tensor:
         """The [out, in] bfloat16 weight, each value as `linear` computes with it."""
@@ -123,7 +105,21 @@ class Int4Kernel:
         return w
 
 
-def load_int4_kernel(threads: int = 0) -> tuple[Int4Kernel | None, str]:
-    """(the kernel, its calls on `threads` threads (0: torch's at the time), "") or (None, why
-    there is none)."""
-    return load_kernel(INT4_LINEAR, lambda loaded: Int4Kernel(loaded, threads))
+def _check_rows(x: torch.Tensor, cols: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [rows, {cols}] bfloat16, got {list(x.shape)} {x.dtype}")
+
+
+def _run(fn, name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: int) -> torch.Tensor:
+    """y = fn(x, codes, scales) as [rows, out] bfloat16, on the calling thread's OpenMP team
+    (torch's setting at the time: engine.device.StepThreads)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
+    if fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x.shape[0], out, x.shape[1]):
+        raise ValueError(f"{name} refused {list(x.shape)} x {[out, x.shape[1]]}")
+    return y
+
+
+def load_int4_kernel() -> tuple[Int4Kernel | None, str]:
+    """(the kernel, "") or (None, why there is none)."""
+    return load_kernel(INT4_LINEAR, Int4Kernel)

@@ -63,8 +63,9 @@ def lm_head_quantization(linear_scheme: str, head_type: str | None, q8_kernel: b
     and when the file's head tensor (output.weight, or token_embd.weight when tied; `head_type` its
     GGUF type, None for an HF folder) is Q4_0/Q4_1, whose blocks it keeps exactly, as llama.cpp
     computes with the file's own type; q8_0 beside int4 linears when the head is Q8_0 and the C
-    kernel computes (`q8_kernel`): its blocks kept, each weight the value the dense head would hold,
-    at half the bytes a token (the 49152 x 576 head of SmolLM2 at 2 threads: 1.5 ms against 4.5). Speed would say int4 everywhere (49152x576 at 1 thread:
+    kernel computes (`q8_kernel`): its blocks kept, each weight the value the dense head would
+    hold, at half the bytes a token (SmolLM2's 49152 x 576 head at 1 thread: ~2 ms against ~4.5
+    for the packed bfloat16 head). Speed would say int4 everywhere (49152x576 at 1 thread:
     int4 1.6 ms, oneDNN-packed bfloat16 3.5 ms, torch's int8 kernel 3.8 ms), but re-quantizing
     SmolLM2's Q8_0 head to int4 moved the first token off llama.cpp's top-1 on 3 of 30 prompts
     and halved greedy agreement (tests/lifecycle/test_quantized_matches_llamacpp.py), so any

@@ -174,6 +174,12 @@ class Int8Linear(nn.Module):
         return _restore(torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales), x)
 
 
+def _bf16_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as the C kernel takes it: [rows, in] bfloat16."""
+    rows = x if x.dim() == 2 else x.reshape(-1, in_features)
+    return rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
+
+
 def _restore(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The kernel's [rows, out] output in x's dtype and leading shape (no-ops skipped)."""
     if y.dtype != x.dtype:
@@ -194,10 +200,7 @@ class KernelInt4Linear(nn.Module):
         self.packed = weight  # the same tensors; the kernel reads them by address (CPU, never moved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
-        return _restore(self.kernel.linear(rows, self.packed), x)
+        return _restore(self.kernel.linear(_bf16_rows(x, self.in_features), self.packed), x)
 
 
 class KernelQ8Linear(nn.Module):
@@ -212,10 +215,7 @@ class KernelQ8Linear(nn.Module):
         self.register_buffer("d", weight.d.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
-        return _restore(self.kernel.q8_linear(rows, self.codes, self.d), x)
+        return _restore(self.kernel.q8_linear(_bf16_rows(x, self.in_features), self.codes, self.d), x)
 
 
 def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None) -> nn.Module:

@@ -81,22 +81,6 @@ def test_two_threads_give_the_same_bits_as_one():
     assert torch.equal(one, two)  # each output row is one thread's sum, in one order
 
 
-def test_a_kernel_given_its_own_thread_count_keeps_it_under_torchs_single_thread():
-    """The engine's decode steps run torch on one thread and the kernel on all (StepThreads)."""
-    two, why = load_int4_kernel(threads=2)
-    assert two is not None, why
-    weight = pack(*_parts(_weight(200, 576)))
-    x = torch.randn(3, 576).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(two.linear(x, weight), KERNEL.linear(x, weight))
-    finally:
-        torch.set_num_threads(before)
-    with pytest.raises(ValueError, match="threads must be >= 0"):
-        type(KERNEL)(loader.load(loader.INT4_LINEAR), -1)
-
-
 def _q8_weight(rows: int, cols: int, seed: int = 0) -> Q8BlockWeight:
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator)
