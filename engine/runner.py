@@ -7,6 +7,7 @@ A plan's block copies (swap out, then swap in) run before its forward pass.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,10 +17,13 @@ from torch import nn
 from engine.cpu_kernels import PagedDecodeKernel, check_slots, check_tables
 from engine.device import StepThreads
 from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.model.decode_plan import DecodePlan
 from engine.model.rope import rope_tables
 from engine.model.spec import ModelSpec
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 def allocate_kv_caches(
@@ -90,6 +94,11 @@ class ModelRunner:
         decode_kernel: the CPU decode attention kernel (engine.cpu_kernels); None: torch's."""
         self.model = model
         self.decode_kernel = decode_kernel
+        self.decode_plan, why_not = DecodePlan.build(model, decode_kernel) if device.type == "cpu" else (None, "")
+        """Decode steps as bound C calls (engine.model.decode_plan); None: every step through the modules."""
+        if decode_kernel is not None:
+            logger.info("CPU decode steps: %s", "bound C calls (decode plan)" if self.decode_plan is not None
+                        else f"through the modules ({why_not})")
         self.step_threads = step_threads
         self._threads_now = torch.get_num_threads()
         self.spec = spec
@@ -141,7 +150,11 @@ class ModelRunner:
         meta = self._metadata(decodes, prefills, slot_mapping)
         self._layer_done = self._step_listener(plan) if self._step_listener is not None else None
         try:
-            hidden = self.model(input_ids, self.cos[positions], self.sin[positions], self.kv_caches, meta)
+            if self.decode_plan is not None and self.decode_plan.takes(meta, len(input_ids)):
+                hidden = self.decode_plan.forward(input_ids, self.cos[positions], self.sin[positions], self.kv_caches,
+                                                  meta, self._layer_done)
+            else:
+                hidden = self.model(input_ids, self.cos[positions], self.sin[positions], self.kv_caches, meta)
         finally:
             self._layer_done = None
 

@@ -75,6 +75,9 @@ class Int4Kernel:
         for fn in (self._linear, self._q8_linear):  # (x, codes, scales, y, M, N, K)
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
             fn.restype = ctypes.c_int
+        self.unchecked_linear = self._linear
+        """int4_linear_bf16 itself, (x, codes, dm, y, rows, out, in) by address: for a caller that
+        checked every shape once and calls it many times (engine.model.decode_plan)."""
         self._dequantize = lib.int4_dequantize_bf16
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
         self._dequantize.restype = ctypes.c_int

@@ -60,6 +60,9 @@ class PagedDecodeKernel:
         self._rope_bf16 = loaded.library.paged_decode_rope_bf16
         self._rope_bf16.argtypes = _ROPE_ARGTYPES
         self._rope_bf16.restype = ctypes.c_int
+        self.unchecked_rope_decode = self._rope_bf16
+        """paged_decode_rope_bf16 itself, rope_decode's call by address (the argument order there):
+        for a caller that checked every shape once and calls it many times (engine.model.decode_plan)."""
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:

@@ -29,6 +29,9 @@ class RMSNormKernel:
         self._fn = loaded.library.add_rms_norm_bf16
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         self._fn.restype = ctypes.c_int
+        self.unchecked = self._fn
+        """add_rms_norm_bf16 itself, (x, residual or 0, weight, out, rows, hidden, eps) by address:
+        for a caller that checked every shape once and calls it many times (engine.model.decode_plan)."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
