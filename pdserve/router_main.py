@@ -311,6 +311,10 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     if backend.kv_reader is not None:
         await backend.kv_reader.aclose()
     await reader.aclose()
+    if getattr(args, "router_worker_index", 0) > 0 and args.ready_file:
+        from pdserve.router_workers import forget_ready_file
+
+        forget_ready_file(Path(args.ready_file))
 
 
 GC_GEN0_THRESHOLD = 20_000

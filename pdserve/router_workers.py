@@ -67,6 +67,10 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+READY_DIR_PREFIX = "pdserve-router-workers-"
+"""The temp folder that holds processes 1..N-1's ready files."""
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent (process 0) dies; elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
@@ -75,6 +79,18 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() == 1:  # the parent died before prctl: do not linger
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def forget_ready_file(ready_file: Path) -> None:
+    """In process i > 0, as it stops: remove its ready file, and the folder process 0 made for
+    them once empty. Process 0 does the same when it stops them; when it was killed (SIGKILL),
+    nobody else would, and a folder was left in the temp dir each time."""
+    ready_file.unlink(missing_ok=True)
+    if ready_file.parent.name.startswith(READY_DIR_PREFIX):
+        try:
+            ready_file.parent.rmdir()
+        except OSError:  # another process's file is still there: the last one out removes it
+            pass
 
 
 def child_env(api_key: str | None, admin_key: str | None) -> dict[str, str]:
@@ -109,7 +125,7 @@ class RouterWorkers:
 
     def __init__(self, args: argparse.Namespace, http_port: int, grpc_port: int, env: dict[str, str]) -> None:
         self._args, self._ports, self._env = args, (http_port, grpc_port), env
-        self._dir = Path(tempfile.mkdtemp(prefix="pdserve-router-workers-"))
+        self._dir = Path(tempfile.mkdtemp(prefix=READY_DIR_PREFIX))
         self._children: dict[int, _Child] = {}
         self._stopping = False
 

@@ -132,9 +132,13 @@ def test_the_other_router_process_exits_when_process_0_is_killed(cluster):
     process, _, _, _ = start_router(redis_url, tmp, "killed")
     children = _children(process.pid)
     assert len(children) == 1, children
+    argv = Path(f"/proc/{children[0]}/cmdline").read_bytes().decode().split("\0")
+    ready = Path(argv[argv.index("--ready-file") + 1])
+    assert ready.exists()
     process.kill()
     process.wait(timeout=10)
     assert _gone(children[0], 20), f"router process {children[0]} outlived process 0"
+    assert not ready.parent.exists(), list(ready.parent.iterdir())  # nothing left in the temp dir
 
 
 def test_process_0_restarts_a_router_process_that_dies(cluster):
