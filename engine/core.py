@@ -107,6 +107,7 @@ class EngineCore:
             from engine.model.packed_linear import pack_linears
 
             logger.info("oneDNN-packed weights for %d linears", pack_linears(loaded.module))
+            _dense_head_above_kernel_rows(loaded.module, loaded.spec)
         self._cpu_norm_kernel(loaded.module)
         self.model_path = loaded.path
         self.spec = loaded.spec
@@ -296,3 +297,14 @@ class EngineCore:
             prefill_busy_s=s.stats.prefill_busy_s,
             decode_busy_s=s.stats.decode_busy_s,
         )
+
+
+def _dense_head_above_kernel_rows(module: torch.nn.Module, spec) -> None:
+    """A tied Q8_0 head (engine.model.quantized_linear.KernelQ8Linear) gets the token embedding,
+    the same values held dense, for its calls of more rows than the C kernel is quicker at."""
+    from engine.model.packed_linear import packing_available
+    from engine.model.quantized_linear import KernelQ8Linear
+
+    head = getattr(module, "lm_head", None)
+    if isinstance(head, KernelQ8Linear) and spec.tie_word_embeddings and packing_available():
+        head.pack_above(module.model.embed_tokens.weight)

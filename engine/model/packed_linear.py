@@ -38,6 +38,11 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def packing_available() -> bool:
+    """Whether this torch build has the oneDNN ops PackedLinear uses."""
+    return _ops_available()
+
+
 def _ops_available() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
     return (

@@ -21,12 +21,15 @@ AVX512-BF16), int4 weights go through it instead (KernelInt4Linear): the GGUF bl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.cpu_kernels.int4_matmul import Int4Kernel, PackedInt4, pack
+
+logger = logging.getLogger(__name__)
 
 INT4_GROUP_SIZE = 32
 """Weights per (scale, zero) group: GGUF's Q4_0/Q4_1/Q8_0 block size, so their blocks map 1:1."""
@@ -203,9 +206,20 @@ class KernelInt4Linear(nn.Module):
         return _restore(self.kernel.linear(_bf16_rows(x, self.in_features), self.packed), x)
 
 
+Q8_KERNEL_ROWS = 8
+"""Most rows KernelQ8Linear sends to the C kernel once it has a dense copy to pack (pack_above).
+SmolLM2's 49152 x 576 head, 2 threads (1 thread), ms: the kernel against oneDNN's packed bfloat16
+at 4 rows 1.9 / 3.2 (3.2 / 3.6), at 8 2.7 / 2.8 (5.6 / 5.5), at 16 5.6 / 4.1 (10.5 / 6.9), at 64
+15.3 / 10.4 (30.3 / 20.6)."""
+
+
 class KernelQ8Linear(nn.Module):
     """A linear on GGUF Q8_0 blocks through this project's C kernel (engine.cpu_kernels.int4_matmul):
-    each weight q * d rounded to bfloat16, the values the dense path holds, read at half the bytes."""
+    each weight q * d rounded to bfloat16, the values the dense path holds, read at half the bytes.
+
+    Past Q8_KERNEL_ROWS rows the kernel loses to oneDNN's packed bfloat16 matmul. Where the same
+    values are held dense anyway (a tied head: the token embedding), pack_above lets the first such
+    call pack them (~56 MB for SmolLM2, made only by a process that sees batches that large)."""
 
     def __init__(self, weight: Q8BlockWeight, kernel: Int4Kernel) -> None:
         super().__init__()
@@ -213,9 +227,32 @@ class KernelQ8Linear(nn.Module):
         self.kernel = kernel
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("d", weight.d.contiguous())
+        self._dense: torch.Tensor | None = None
+        self._packed: nn.Module | None = None
+
+    def pack_above(self, dense: torch.Tensor) -> None:
+        """Let calls of more than Q8_KERNEL_ROWS rows run on `dense` ([out, in] bfloat16 holding
+        q * d rounded, as the tied embedding does) packed for oneDNN, packed on first use. The
+        sums then run in oneDNN's order, as a dense head's do. Mutates at load time only."""
+        if dense.shape != (self.out_features, self.in_features) or dense.dtype != torch.bfloat16:
+            raise ValueError(f"a dense copy must be [{self.out_features}, {self.in_features}] bfloat16, got "
+                             f"{list(dense.shape)} {dense.dtype}")
+        self._dense = dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _restore(self.kernel.q8_linear(_bf16_rows(x, self.in_features), self.codes, self.d), x)
+        rows = _bf16_rows(x, self.in_features)
+        if rows.shape[0] > Q8_KERNEL_ROWS and self._dense is not None:
+            return _restore(self._packed_head()(rows), x)
+        return _restore(self.kernel.q8_linear(rows, self.codes, self.d), x)
+
+    def _packed_head(self) -> nn.Module:
+        if self._packed is None:
+            from engine.model.packed_linear import PackedLinear
+
+            self._packed = PackedLinear(self._dense)
+            logger.info("output head: %d rows and more run on a oneDNN-packed bfloat16 copy (%.0f MB), "
+                        "packed now", Q8_KERNEL_ROWS + 1, self._dense.numel() * 2 / 1e6)
+        return self._packed
 
 
 def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None) -> nn.Module:

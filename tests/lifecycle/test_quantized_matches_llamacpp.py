@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu_kernels.int4_matmul import load_int4_kernel
@@ -66,7 +67,14 @@ def test_int4_first_token_is_llamacpps_top1_and_greedy_tokens_agree(reference, r
     llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=1024, num_threads=2)
     assert llm.engine.core.quantization == "gguf"  # Q4_1 blocks kept as int4
     if load_int4_kernel()[0] is not None:  # the C kernel computes the Q8_0 head on its blocks
-        assert isinstance(llm.engine.runner.model.lm_head, KernelQ8Linear)
+        model = llm.engine.runner.model
+        assert isinstance(model.lm_head, KernelQ8Linear)
+        # the tied embedding holds the head's blocks as q * d rounded to bfloat16: batches of more
+        # than Q8_KERNEL_ROWS rows (this test's 30) multiply by the same values, packed for oneDNN
+        head = model.lm_head
+        blocks = (head.codes.float() * head.d.float().repeat_interleave(32, dim=1)).to(torch.bfloat16)
+        assert torch.equal(blocks, model.model.embed_tokens.weight)
+        assert head._dense is model.model.embed_tokens.weight
     prompts = [p["prompt_ids"] for p in reference["prompts"]]
     ours = _greedy_tokens(llm, prompts, 48)
     theirs = [p["token_ids"] for p in reference["prompts"]]

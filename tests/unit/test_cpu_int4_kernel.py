@@ -105,6 +105,28 @@ def test_q8_0_blocks_multiply_as_q_times_d_rounded_to_bfloat16_for_every_batch_s
             assert ((y.to(torch.float64) - ref).abs() <= tolerance).all(), (rows, cols, m)
 
 
+def test_a_q8_0_head_with_a_dense_copy_runs_more_than_8_rows_on_it_packed_on_first_use():
+    from engine.model.packed_linear import PackedLinear, packing_available
+    from engine.model.quantized_linear import Q8_KERNEL_ROWS
+
+    if not packing_available():
+        pytest.skip("no oneDNN packing in this torch build")
+    weight = _q8_weight(256, 576)
+    dense = weight.dequantize().to(torch.bfloat16)  # what a tied embedding holds
+    head, plain = (quantized_linear(weight, torch.bfloat16, KERNEL) for _ in range(2))
+    head.pack_above(dense)
+    generator = torch.Generator().manual_seed(2)
+    few = torch.randn(Q8_KERNEL_ROWS, 576, generator=generator).to(torch.bfloat16)
+    assert torch.equal(head(few), plain(few)) and head._packed is None  # the kernel; nothing packed yet
+    many = torch.randn(Q8_KERNEL_ROWS + 1, 576, generator=generator).to(torch.bfloat16)
+    assert torch.equal(head(many), PackedLinear(dense)(many))  # the same values, oneDNN's order
+    assert head._packed is not None
+    close = (head(many).float() - plain(many).float()).abs() <= 2.0 ** -7 * plain(many).float().abs() + 1e-3
+    assert bool(close.all())
+    with pytest.raises(ValueError, match=r"must be \[256, 576\] bfloat16"):
+        head.pack_above(dense.float())
+
+
 def test_q8_0_on_small_integers_is_exact_and_needs_the_kernel_in_bfloat16():
     codes = (torch.arange(64) - 32 + 7 * torch.arange(3)[:, None]).to(torch.int8)
     d = torch.tensor([[1.0, 0.5]] * 3, dtype=torch.float16)
