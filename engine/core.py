@@ -39,6 +39,7 @@ from engine.loader.model_loader import load_model
 from engine.loader.quant_choice import bytes_method
 from engine.loader.weights_cache import default_cache_dir
 from engine.model.llama import RMSNorm
+from engine.model.spec import ModelSpec
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
 from engine.scheduler import EngineCoreOutput, Reservation, Scheduler, SchedulerStats
@@ -299,7 +300,7 @@ class EngineCore:
         )
 
 
-def _dense_head_above_kernel_rows(module: torch.nn.Module, spec) -> None:
+def _dense_head_above_kernel_rows(module: torch.nn.Module, spec: ModelSpec) -> None:
     """A tied Q8_0 head (engine.model.quantized_linear.KernelQ8Linear) gets the token embedding,
     the same values held dense, for its calls of more rows than the C kernel is quicker at."""
     from engine.model.packed_linear import packing_available
