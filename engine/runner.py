@@ -94,7 +94,7 @@ class ModelRunner:
         decode_kernel: the CPU decode attention kernel (engine.cpu_kernels); None: torch's."""
         self.model = model
         self.decode_kernel = decode_kernel
-        self.decode_plan, why_not = DecodePlan.build(model, decode_kernel) if device.type == "cpu" else (None, "")
+        self.decode_plan, why_not = DecodePlan.build(model, decode_kernel)
         """Decode steps as bound C calls (engine.model.decode_plan); None: every step through the modules."""
         if decode_kernel is not None:
             logger.info("CPU decode steps: %s", "bound C calls (decode plan)" if self.decode_plan is not None

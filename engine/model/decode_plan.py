@@ -27,6 +27,7 @@ from engine.cpu_kernels.int4_matmul import MAX_KERNEL_ROWS
 from engine.cpu_kernels.paged_attention import PagedDecodeKernel
 from engine.model.attention import AttentionMetadata
 from engine.model.quantized_linear import KernelInt4Linear
+from engine.model.rope import StepRope
 
 MAX_ROWS = MAX_KERNEL_ROWS
 """Most tokens in a step the plan takes: the int4 kernel's own limit (more rows dequantize first)."""
@@ -67,7 +68,6 @@ class _Buffers:
         self.attn = rows_of(attn.q_size)  # [rows, num_heads * head_dim]
         self.gate_up = rows_of(2 * inter)  # [rows, gate | up]
         self.silu, self.act = rows_of(inter), rows_of(inter)
-        self.cos, self.signed_sin = rows_of(spec.head_dim), rows_of(spec.head_dim)  # StepRope's factors
 
 
 class DecodePlan:
@@ -103,16 +103,13 @@ class DecodePlan:
         b = self._buffers or self._make_buffers()
         layers = self._by_rows.get(rows) or self._bind(rows)
         torch.index_select(self._model.model.embed_tokens.weight, 0, input_ids, out=b.residual[:rows])
-        half = cos.shape[1] // 2
-        b.cos[:rows].copy_(cos)  # rounded to bfloat16 as StepRope.gather rounds them
-        signed = b.signed_sin[:rows]
-        signed.copy_(sin)
-        signed[:, :half].neg_()  # negating is exact: the same bits as negating before rounding
+        step_rope = StepRope.gather(cos, sin, torch.bfloat16)  # the modules' factors, [rows, 1, head_dim]
         group = meta.decodes[0]
         tables = group.block_tables
         num_heads, num_kv_heads, head_dim, scale = self._heads
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        head = (b.qkv.data_ptr(), b.cos.data_ptr(), b.signed_sin.data_ptr(), meta.slot_mapping.data_ptr())
+        head = (b.qkv.data_ptr(), step_rope.cos.data_ptr(), step_rope.signed_sin.data_ptr(),
+                meta.slot_mapping.data_ptr())
         tail = (b.attn.data_ptr(), tables.data_ptr(), group.context_lens.data_ptr(), rows, tables.shape[1],
                 num_blocks, block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale)
         gate, up = b.gate_up[:rows].split(b.silu.shape[1], dim=1)

@@ -40,10 +40,6 @@ def padded_rows(rows: int) -> int:
 
 def packing_available() -> bool:
     """Whether this torch build has the oneDNN ops PackedLinear uses."""
-    return _ops_available()
-
-
-def _ops_available() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
     return (
         torch.backends.mkldnn.is_available()
@@ -82,7 +78,7 @@ def pack_linears(module: nn.Module) -> int:
     Mutates `module` (at load time only). Tied weights keep working: the embedding keeps its
     tensor, lm_head gets its own packed copy.
     """
-    if not _ops_available():
+    if not packing_available():
         return 0
     targets = [
         (parent, name, child)
