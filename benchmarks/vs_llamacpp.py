@@ -166,11 +166,16 @@ def check_complete(result: dict, what: str) -> None:
     print(f"  WARNING {message}", flush=True)
 
 
-def pdserve_flags(mode: str, dtype: str, quantization: str = "auto") -> list[str]:
+def pdserve_flags(mode: str, dtype: str, quantization: str = "auto", int4_activations: str = "bfloat16") -> list[str]:
     layout = ["--colocated", "--decode", "1", "--num-threads", str(THREADS)] if mode == "colocated" else [
         "--prefill", "1", "--decode", "1", "--num-threads", str(THREADS // 2)]
-    return [*layout, "--dtype", dtype, "--quantization", quantization, "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--max-model-len", str(CTX_PER_SLOT)]
+    activations = ["--int4-activations", int4_activations] if int4_activations != "bfloat16" else []
+    return [*layout, "--dtype", dtype, "--quantization", quantization, *activations,
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(CTX_PER_SLOT)]
+
+
+def our_flags(args: argparse.Namespace) -> list[str]:
+    return pdserve_flags(args.pdserve_mode, args.dtype, args.quantization, args.int4_activations)
 
 
 # ------------------------------------------------------------------ report
@@ -222,11 +227,12 @@ def method_lines(args: argparse.Namespace, model: Path, binary: Path, cores: str
     return [
         f"- model: {model.name} (the same file for both; Q4_1: llama.cpp computes on the quantized weights; "
         f"pdserve --quantization {args.quantization} (gguf, and auto in bfloat16 where the C int4 kernel loads: "
-        f"keeps the Q4_1 blocks, computed in bfloat16; none: dequantized at load), activations {resolved_dtype})",
+        f"keeps the Q4_1 blocks; none: dequantized at load), activations {resolved_dtype}, int4 linears' "
+        f"activations {args.int4_activations} (int8: quantized per group of 32 as llama.cpp does)",
         f"- llama.cpp: {binary} (llama-cpp-python {binary.parent.parent.name.split('-')[-1]}'s vendored "
         f"source; CPU, GGML_NATIVE=ON, OpenMP), `--parallel {MAX_NUM_SEQS} --ctx-size "
         f"{MAX_NUM_SEQS * CTX_PER_SLOT} --threads {THREADS} --threads-batch {THREADS}`, other settings default",
-        f"- pdserve: `pdserve up {' '.join(pdserve_flags(args.pdserve_mode, args.dtype, args.quantization))}` "
+        f"- pdserve: `pdserve up {' '.join(our_flags(args))}` "
         f"({args.pdserve_mode}; router and Redis on the same cores)",
         f"- both pinned with `taskset -c {cores}`, one server at a time",
         "- load: `pdserve bench " + " ".join(common_bench_flags("SmolLM2-135M-Instruct"))
@@ -251,6 +257,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="pdserve's dtype")
     parser.add_argument("--quantization", choices=("auto", "none", "gguf", "int8", "int4"), default="auto",
                         help="pdserve's --quantization (gguf keeps the GGUF's Q4_1 blocks as int4; auto: dense)")
+    parser.add_argument("--int4-activations", choices=("bfloat16", "int8"), default="bfloat16",
+                        help="pdserve's --int4-activations (int8: llama.cpp's numerics, integer dot products)")
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     exit_on_sigterm()
@@ -271,8 +279,7 @@ def main() -> int:
                                     ctx_per_slot=CTX_PER_SLOT, threads=THREADS, cores=cores)
         peer = bench_server(procs, server, DEFAULT_MODEL_NAME, loads, workdir, args.quick)
         procs.stop(server.proc)
-        server = start_pdserve_up(procs, "pdserve", pdserve_flags(args.pdserve_mode, args.dtype, args.quantization),
-                                  cores)
+        server = start_pdserve_up(procs, "pdserve", our_flags(args), cores)
         ours = bench_server(procs, server, DEFAULT_MODEL_NAME, loads, workdir, args.quick)
         procs.stop(server.proc, sig=signal.SIGINT)  # pdserve up's Ctrl-C path stops its children
 
@@ -288,7 +295,7 @@ def main() -> int:
     body = "\n".join([markdown_table(headers, rows + ratios), "", *verdicts(ours, peer), "", "Method:", "",
                       *method])
     path = append_results(f"vs_llamacpp (pdserve {args.pdserve_mode}, {args.dtype}, "
-                          f"--quantization {args.quantization})", body)
+                          f"--quantization {args.quantization}, --int4-activations {args.int4_activations})", body)
     print(f"\nappended to {path}")
     return 0
 

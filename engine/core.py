@@ -103,7 +103,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         cache_dir = Path(config.weights_cache_dir or default_cache_dir())
         loaded = load_model(config.model, self.dtype, self.device, cache_dir, config.quantization,
-                            config.cpu_int4_kernel)
+                            config.cpu_int4_kernel, config.int4_activations)
         if config.cpu_packed_weights and self.device.type == "cpu":
             from engine.model.packed_linear import pack_linears
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from engine.config import DEVICES, DTYPES, INT4_ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def parse_bytes(text: str) -> int:
@@ -81,6 +81,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-int4-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run int4 linears (--quantization int4/gguf) in pdserve's C kernel, built at "
                         "start (default; needs AVX512-BF16, else torch's int4 kernel)")
+    g.add_argument("--int4-activations", choices=INT4_ACTIVATIONS, default="bfloat16",
+                   help="what the C kernel's int4 linears multiply with: bfloat16 (x as it is, the dense model's "
+                        "weights) or int8 (x quantized per group of 32 as llama.cpp does: its numerics, about "
+                        "twice as fast; needs AVX512-VNNI)")
     add_config_arg(g)
 
 

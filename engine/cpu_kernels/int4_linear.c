@@ -274,6 +274,154 @@ static int linear(const uint16_t *x, const uint8_t *codes, const uint16_t *scale
     return failed ? -2 : 0;
 }
 
+
+/* ---- int8 activations (--int4-activations int8): llama.cpp's numerics for Q4 x Q8 -------------
+
+   Each row of x is quantized per group of 32 as llama.cpp quantizes activations for a Q4_0/Q4_1
+   dot product (its Q8_0 / Q8_1 blocks): amax = max |x|, d = amax / 127 stored as float16,
+   q = x * (127 / amax) rounded to nearest even (0 where amax is 0), and s = d * sum(q): for a
+   Q4_1 weight as llama.cpp's Q8_1 block holds it (amax / 127 times the sum, rounded to float16),
+   for a Q4_0 one (m_w = -8 d_w, whose offset llama.cpp applies to the integer sum) the float16 d
+   times the sum, unrounded (`sum_half` chooses). A weight group (d_w, m_w) then contributes
+       d_w * d * sum(q_w * q) + m_w * s
+   to its output: the integer sum in vpdpbusd (unsigned 4-bit codes times signed 8-bit
+   activations), the rest in float32, group after group.
+
+   The weight is repacked for it (engine/cpu_kernels/int4_matmul.pack_int8x) so that the 16 lanes
+   of a register are 16 output rows: a group's scales then apply to a whole register at once.
+   blocks [ceil(N / 16), K / 32, BLOCK_BYTES] uint8, for each 16 rows (rows past N are zero) and
+   group of 32:
+     256 bytes of codes: byte 64 c + 4 j + t holds the code of weight 4 c + t of row j in its low
+                         nibble and of weight 16 + 4 c + t in its high nibble (c, t 0..3; j 0..15)
+      32 bytes: d of rows 0..15, float16
+      32 bytes: m of rows 0..15, float16
+   0.625 bytes a weight, as the int4 layout above.
+
+   Q8_0 weights (the output head of a Q4 GGUF) go the same way, as llama.cpp multiplies Q8_0 by
+   Q8_0: d_w * d * sum(q_w * q), the sum exact. vpdpbusd takes unsigned bytes, so the codes are
+   held as q_w + 128 and 128 * sum(q) is taken off the integer sum. Per 16 rows and group
+   (Q8_BLOCK_BYTES):
+     512 bytes of codes: byte 64 c + 4 j + t holds q_w + 128 of weight 4 c + t of row j (c 0..7)
+      32 bytes: d of rows 0..15, float16
+   1.0625 bytes a weight, as Q8_0's own block. */
+
+#define LANES 16       /* output rows of a block */
+#define BLOCK_BYTES 320
+#define Q8_BLOCK_BYTES 544
+#define XMB8 8         /* rows of x a block meets at a time */
+
+/* What quantize_rows keeps of a group's sum(q) for the weight's formula. */
+enum { SUM_TIMES_D = 0, SUM_TIMES_D_HALF = 1, SUM_ITSELF = 2 };
+
+/* Row m of x as int8 codes xq[m * K + k], with d (dx) and the sum term (sx: s for int4 weights
+   as `sums` says, sum(q) itself for Q8_0) per group at [m * K / 32 + g]. */
+static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int sums, int8_t *xq, float *dx, float *sx)
+{
+    const int64_t groups = K / GROUP;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *xg = x + m * K + g * GROUP;
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xg)), 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xg + 16))), 16));
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const _Float16 d = (_Float16)(amax / 127.f);
+            const __m512 id = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+            const __m512i qlo = _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i qhi = _mm512_cvt_roundps_epi32(_mm512_mul_ps(hi, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i *)(xq + m * K + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(xq + m * K + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
+            const float sum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            dx[m * groups + g] = (float)d;
+            sx[m * groups + g] = sums == SUM_ITSELF ? sum
+                                 : sums == SUM_TIMES_D_HALF ? (float)(_Float16)(amax / 127.f * sum) : (float)d * sum;
+        }
+}
+
+/* One block of 16 output rows (int4 codes, or Q8_0's when bits is 8) against rows 0 .. mb-1 of
+   the quantized x: y[i * ldy + j] for the first `valid` rows j. mb and bits are constants in
+   each copy below, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void block_int8x(
+    const uint8_t *block, const int8_t *xq, const float *dx, const float *sx, int64_t K, const int mb,
+    const int bits, uint16_t *y, int64_t ldy, int valid)
+{
+    const int64_t groups = K / GROUP, block_bytes = bits == 4 ? BLOCK_BYTES : Q8_BLOCK_BYTES;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[XMB8];
+#pragma GCC unroll 8
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b = block + g * block_bytes;
+#pragma GCC unroll 9
+        for (int line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)b + PREFETCH_AHEAD + line, _MM_HINT_T0);
+        __m512i dot[XMB8];
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) dot[i] = _mm512_setzero_si512();
+        if (bits == 8) {
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + 64 * c));
+#pragma GCC unroll 8
+                for (int i = 0; i < mb; i++) {
+                    int32_t a;
+                    memcpy(&a, xq + i * K + g * GROUP + 4 * c, 4);
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], v, _mm512_set1_epi32(a));
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 512)));
+#pragma GCC unroll 8
+            for (int i = 0; i < mb; i++) {  /* sum((q_w + 128) q) - 128 sum(q): exact in float32 */
+                const __m512 exact = _mm512_sub_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_set1_ps(128.f * sx[i * groups + g]));
+                acc[i] = _mm512_fmadd_ps(exact, _mm512_mul_ps(d, _mm512_set1_ps(dx[i * groups + g])), acc[i]);
+            }
+            continue;
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(b + 64 * c));
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+            for (int i = 0; i < mb; i++) {
+                const int8_t *xg = xq + i * K + g * GROUP;
+                int32_t a, h;
+                memcpy(&a, xg + 4 * c, 4);
+                memcpy(&h, xg + 16 + 4 * c, 4);
+                dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(a));
+                dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(h));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(dx[i * groups + g])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * groups + g]), acc[i]);
+        }
+    }
+    const __mmask16 keep = valid >= LANES ? 0xffff : (__mmask16)((1u << valid) - 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < mb; i++)
+        _mm256_mask_storeu_epi16(y + i * ldy, keep, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+typedef void (*block_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, uint16_t *, int64_t, int);
+#define BLOCK8(MB, BITS) \
+    static void block_##BITS##_##MB(const uint8_t *b, const int8_t *xq, const float *dx, const float *sx, int64_t K, \
+                                    uint16_t *y, int64_t ldy, int valid) \
+    { block_int8x(b, xq, dx, sx, K, MB, BITS, y, ldy, valid); }
+#define BLOCKS_OF(BITS) BLOCK8(1, BITS) BLOCK8(2, BITS) BLOCK8(3, BITS) BLOCK8(4, BITS) \
+    BLOCK8(5, BITS) BLOCK8(6, BITS) BLOCK8(7, BITS) BLOCK8(8, BITS)
+BLOCKS_OF(4) BLOCKS_OF(8)
+/* Indexed by [bits == 8][mb]. */
+static const block_fn BLOCKS8[2][XMB8 + 1] = {
+    {0, block_4_1, block_4_2, block_4_3, block_4_4, block_4_5, block_4_6, block_4_7, block_4_8},
+    {0, block_8_1, block_8_2, block_8_3, block_8_4, block_8_5, block_8_6, block_8_7, block_8_8}};
+
+/* The calling thread's quantized x, kept for the thread's life and grown as needed. */
+static __thread void *x8_buffer;
+static __thread size_t x8_buffer_len;
+
 #endif /* __AVX512BF16__ */
 
 /* y[M, N] = x[M, K] @ W^T, all contiguous, x and y bfloat16, W as int4 codes and (d, m) pairs.
@@ -315,5 +463,74 @@ int int4_dequantize_bf16(const uint8_t *codes, const uint16_t *dm, uint16_t *w, 
 #else
     (void)codes; (void)dm; (void)w; (void)N; (void)K;
     return -1;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/* Quantize x into this thread's buffer, then each block of 16 output rows on the OpenMP team. */
+static int linear_int8x(const uint16_t *x, const uint8_t *blocks, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                        int sums, int bits)
+{
+    if (M <= 0 || N <= 0 || K <= 0 || K % GROUP) return -1;
+    const int64_t groups = K / GROUP, nblocks = (N + LANES - 1) / LANES;
+    const int64_t block_bytes = bits == 4 ? BLOCK_BYTES : Q8_BLOCK_BYTES;
+    const size_t need = (size_t)M * ((size_t)K + 8 * (size_t)groups);
+    if (need > x8_buffer_len) {
+        void *grown = realloc(x8_buffer, need);
+        if (!grown) return -2;
+        x8_buffer = grown;
+        x8_buffer_len = need;
+    }
+    float *dx = (float *)x8_buffer, *sx = dx + M * groups;
+    int8_t *xq = (int8_t *)(sx + M * groups);
+    quantize_rows(x, M, K, sums, xq, dx, sx);
+    const block_fn *by_rows = BLOCKS8[bits == 8];
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const uint8_t *block = blocks + nb * groups * block_bytes;
+        const int valid = N - nb * LANES < LANES ? (int)(N - nb * LANES) : LANES;
+        for (int64_t m0 = 0; m0 < M; m0 += XMB8) {
+            const int mb = M - m0 < XMB8 ? (int)(M - m0) : XMB8;
+            by_rows[mb](block, xq + m0 * K, dx + m0 * groups, sx + m0 * groups, K, y + m0 * N + nb * LANES, N, valid);
+        }
+    }
+    return 0;
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T with W in the int8-activation layout (pack_int8x) and each row of x
+   quantized to 8 bits per group of 32 first: llama.cpp's numerics (see "int8 activations";
+   sum_half: the weight is Q4_1-like, s rounds to float16). Every batch size goes through the
+   kernel. Needs AVX512-VNNI besides AVX512-BF16 (int4_linear_int8x_supported). 0 on success, -1
+   for bad shapes or a build without them, -2 when the quantized x could not be allocated. */
+int int4_linear_int8x(const uint16_t *x, const uint8_t *blocks, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                      int sum_half)
+{
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return linear_int8x(x, blocks, y, M, N, K, sum_half ? SUM_TIMES_D_HALF : SUM_TIMES_D, 4);
+#else
+    (void)x; (void)blocks; (void)y; (void)M; (void)N; (void)K; (void)sum_half;
+    return -1;
+#endif
+}
+
+/* The same for Q8_0 weights in their int8-activation layout (pack_q8_int8x): llama.cpp's Q8_0 x
+   Q8_0 product. */
+int q8_linear_int8x(const uint16_t *x, const uint8_t *blocks, uint16_t *y, int64_t M, int64_t N, int64_t K)
+{
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return linear_int8x(x, blocks, y, M, N, K, SUM_ITSELF, 8);
+#else
+    (void)x; (void)blocks; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+int int4_linear_int8x_supported(void)
+{
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
 #endif
 }

@@ -8,6 +8,12 @@ weights dense. This one dequantizes each group once per call and shares it acros
 of activations in bfloat16 dot products; above MAX_KERNEL_ROWS rows (prefill chunks) a call
 dequantizes the whole weight into bfloat16 and runs torch's dense matmul on it.
 benchmarks/int4_linear.py measures the three side by side on SmolLM2's shapes.
+
+With int8 activations (EngineConfig.int4_activations, needs AVX512-VNNI) the same codes and
+(d, m) pairs are repacked 16 output rows to a register (pack_int8x), and each row of x is
+quantized per group of 32 as llama.cpp does for its Q4 dot products: the sums are integer
+vpdpbusd ones, about twice as fast at every batch size, with llama.cpp's numerics instead of the
+dense model's (int4_linear.c's "int8 activations" says exactly what is computed).
 """
 
 from __future__ import annotations
@@ -37,6 +43,62 @@ class PackedInt4:
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * 2
+
+
+INT8X_LANES = 16
+"""Output rows per block of the int8-activation layout (one float32 register's lanes)."""
+INT8X_BLOCK_BYTES = 320
+"""Bytes per block and group: 16 rows x 32 codes at 4 bits, then 16 float16 d and 16 float16 m."""
+
+
+def pack_int8x(weight: PackedInt4) -> torch.Tensor:
+    """The int8-activation kernel's layout of the same weight: [ceil(out / 16), in / 32, 320]
+    uint8 (int4_linear.c's "int8 activations" comment; rows past `out` are zero)."""
+    out, cols = weight.shape
+    groups, blocks = cols // GROUP, -(-out // INT8X_LANES)
+    nibbles = weight.codes.reshape(out, groups, GROUP // 2)
+    q = torch.cat((nibbles & 15, nibbles >> 4), -1)  # [out, groups, 32] in weight order
+    dm = weight.dm
+    if blocks * INT8X_LANES != out:
+        q = torch.cat((q, q.new_zeros(blocks * INT8X_LANES - out, groups, GROUP)))
+        dm = torch.cat((dm, dm.new_zeros(blocks * INT8X_LANES - out, groups, 2)))
+    q = q.reshape(blocks, INT8X_LANES, groups, GROUP).permute(0, 2, 1, 3)  # [block, group, row, k]
+
+    def quarters(half: torch.Tensor) -> torch.Tensor:  # [block, group, row, 16] -> [block, group, c, row, t]
+        return half.reshape(blocks, groups, INT8X_LANES, 4, 4).permute(0, 1, 3, 2, 4)
+
+    codes = (quarters(q[..., :GROUP // 2]) | (quarters(q[..., GROUP // 2:]) << 4)).reshape(blocks, groups, 256)
+    scales = dm.reshape(blocks, INT8X_LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [block, group, d|m, row]
+    packed = torch.cat((codes, scales.view(torch.uint8).reshape(blocks, groups, 4 * INT8X_LANES)), -1)
+    return packed.contiguous()
+
+
+Q8X_BLOCK_BYTES = 544
+"""Bytes per block and group of a Q8_0 weight in that layout: 16 rows x 32 codes + 128, 16 float16 d."""
+
+
+def pack_q8_int8x(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 blocks (codes [out, in] int8, d [out, in // 32] float16) in the int8-activation
+    kernel's layout: [ceil(out / 16), in / 32, 544] uint8 (int4_linear.c's "int8 activations";
+    codes held as q + 128, rows past `out` zero)."""
+    out, cols = codes.shape
+    groups, blocks = cols // GROUP, -(-out // INT8X_LANES)
+    q = (codes.to(torch.int16) + 128).to(torch.uint8)
+    if blocks * INT8X_LANES != out:
+        q = torch.cat((q, q.new_zeros(blocks * INT8X_LANES - out, cols)))
+        d = torch.cat((d, d.new_zeros(blocks * INT8X_LANES - out, groups)))
+    q = q.reshape(blocks, INT8X_LANES, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [block, group, c, row, t]
+    scales = d.reshape(blocks, INT8X_LANES, groups).permute(0, 2, 1).contiguous()  # [block, group, row]
+    packed = torch.cat((q.reshape(blocks, groups, 512), scales.view(torch.uint8).reshape(blocks, groups, 32)), -1)
+    return packed.contiguous()
+
+
+def sums_in_half(weight: PackedInt4) -> bool:
+    """Whether llama.cpp would compute this weight as Q4_1 (an activation block's d * sum(q)
+    rounded to float16, as its Q8_1 block holds it) rather than Q4_0 (m = -8 d everywhere: the
+    offset applied to the integer sum, so nothing is rounded)."""
+    d, m = weight.dm.unbind(-1)
+    return not torch.equal(m, (d.to(torch.float32) * -8).to(torch.float16))
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> PackedInt4 | str:
@@ -78,6 +140,17 @@ class Int4Kernel:
         self.unchecked_linear = self._linear
         """int4_linear_bf16 itself, (x, codes, dm, y, rows, out, in) by address: for a caller that
         checked every shape once and calls it many times (engine.model.decode_plan)."""
+        lib.int4_linear_int8x_supported.restype = ctypes.c_int
+        self.int8x_supported = bool(lib.int4_linear_int8x_supported())
+        """Whether this build has the int8-activation kernel (AVX512-VNNI)."""
+        self.unchecked_linear_int8x = lib.int4_linear_int8x
+        """int4_linear_int8x, (x, blocks, y, rows, out, in, sum_half) by address: as unchecked_linear."""
+        self.unchecked_linear_int8x.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self.unchecked_linear_int8x.restype = ctypes.c_int
+        self.unchecked_q8_linear_int8x = lib.q8_linear_int8x
+        """q8_linear_int8x, (x, blocks, y, rows, out, in) by address: as unchecked_linear."""
+        self.unchecked_q8_linear_int8x.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        self.unchecked_q8_linear_int8x.restype = ctypes.c_int
         self._dequantize = lib.int4_dequantize_bf16
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
         self._dequantize.restype = ctypes.c_int
@@ -90,6 +163,28 @@ class Int4Kernel:
         if x.shape[0] > MAX_KERNEL_ROWS:
             return torch.nn.functional.linear(x, self.dequantize(weight))
         return _run(self._linear, "int4_linear_bf16", x, weight.codes, weight.dm, out)
+
+    def linear_int8x(self, x: torch.Tensor, blocks: torch.Tensor, out: int, sum_half: bool) -> torch.Tensor:
+        """x [rows, in] bfloat16 times a weight in pack_int8x's layout with `out` rows -> [rows, out]
+        bfloat16, each row of x quantized to 8 bits per group of 32 (llama.cpp's numerics;
+        sum_half: for a Q4_1 weight, see sums_in_half). Every batch size goes through the kernel.
+        ValueError without AVX512-VNNI."""
+        return self._int8x(self.unchecked_linear_int8x, "int4_linear_int8x", x, blocks, out, int(sum_half))
+
+    def q8_linear_int8x(self, x: torch.Tensor, blocks: torch.Tensor, out: int) -> torch.Tensor:
+        """The same for Q8_0 blocks in pack_q8_int8x's layout (llama.cpp's Q8_0 x Q8_0 product)."""
+        return self._int8x(self.unchecked_q8_linear_int8x, "q8_linear_int8x", x, blocks, out)
+
+    def _int8x(self, fn, name: str, x: torch.Tensor, blocks: torch.Tensor, out: int, *extra: int) -> torch.Tensor:
+        if not self.int8x_supported:
+            raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+        cols = blocks.shape[1] * GROUP
+        _check_rows(x, cols)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out, dtype=torch.bfloat16)
+        if fn(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), x.shape[0], out, cols, *extra):
+            raise ValueError(f"{name} refused {list(x.shape)} x {[out, cols]}")
+        return y
 
     def q8_linear(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """x [rows, in] bfloat16 times GGUF Q8_0 blocks (codes [out, in] int8, d [out, in // 32]

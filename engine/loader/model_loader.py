@@ -60,12 +60,15 @@ def load_model(
     cache_dir: Path | None = None,
     quantization: str = "none",
     cpu_int4_kernel: bool = True,
+    int4_activations: str = "bfloat16",
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with its weights, the decoder's linears quantized
     as `quantization` (EngineConfig.quantization) resolves here; on CPU, int4 linears run in
     this project's C kernel when `cpu_int4_kernel` and it loads (_int4_kernel), and only then does
-    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4). Raises on missing
-    tensors, and ValueError for int4/int8 on a device without the kernels."""
+    auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4); they take int8 activations when
+    `int4_activations` is "int8" (EngineConfig.int4_activations). Raises on missing tensors, and
+    ValueError for int4/int8 on a device without the kernels or int8 activations on a CPU
+    without AVX512-VNNI."""
     started = time.perf_counter()
     path = resolve_model_path(model)
     spec = read_spec(path)
@@ -78,8 +81,9 @@ def load_model(
     if method not in ("int4", "gguf"):
         kernel = None
     q8_head = kernel is not None and kernel_computes(dtype)
+    int8_activations = _int8_activations(int4_activations, kernel, dtype, method)
     weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method, q8_head)
-    module = build_module(spec, weights, dtype, device, quantized, kernel)
+    module = build_module(spec, weights, dtype, device, quantized, kernel, int8_activations)
     del weights, quantized
     _return_freed_memory()
     seconds = time.perf_counter() - started
@@ -89,6 +93,22 @@ def load_model(
         method, seconds, " from the weights cache" if from_cache else "",
     )
     return LoadedModel(module, spec, path, seconds, from_cache, method)
+
+
+def _int8_activations(wanted: str, kernel: Int4Kernel | None, dtype: torch.dtype, method: str) -> bool:
+    """Whether the int4 linears take int8 activations: asked for, and they go through the C
+    kernel (else the setting is ignored, and the log says why). ValueError when the kernel is
+    there but this CPU has no AVX512-VNNI."""
+    if wanted != "int8":
+        return False
+    if kernel is None or not kernel_computes(dtype):
+        logger.warning("int4 activations int8: ignored, no int4 linears run in the C kernel here "
+                       "(quantization %s, %s)", method, str(dtype).removeprefix("torch."))
+        return False
+    if not kernel.int8x_supported:
+        raise ValueError("--int4-activations int8 needs AVX512-VNNI, which this CPU (or the kernel's build) lacks")
+    logger.info("int4 linears: int8 activations (each row of x quantized per group of 32, as llama.cpp does)")
+    return True
 
 
 def _int4_kernel() -> Int4Kernel | None:
@@ -142,9 +162,10 @@ def _read_weights(
 def build_module(
     spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
     quantized: dict[str, QuantizedWeight] | None = None, int4_kernel: Int4Kernel | None = None,
+    int8_activations: bool = False,
 ) -> nn.Module:
     """The module with dense `weights`, and the linears named in `quantized` as quantized modules
-    (int4 ones through `int4_kernel` where given)."""
+    (int4 ones through `int4_kernel` where given, with int8 activations when asked)."""
     quantized = quantized or {}
     family = MODEL_FAMILIES.get(spec.architecture)
     module = family(spec, device="meta")
@@ -159,7 +180,7 @@ def build_module(
     if missing or unexpected:
         raise ValueError(f"weights do not fit {spec.name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     module.load_state_dict(state, strict=False, assign=True)
-    install_quantized_linears(module, quantized, dtype, int4_kernel)
+    install_quantized_linears(module, quantized, dtype, int4_kernel, int8_activations)
     if spec.tie_word_embeddings and "lm_head.weight" not in quantized:
         module.lm_head.weight = module.model.embed_tokens.weight
     return module.eval().requires_grad_(False)

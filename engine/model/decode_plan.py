@@ -11,8 +11,8 @@ hidden states equal the module path's bit for bit (tests/unit/test_decode_plan.p
 
 ModelRunner uses it for a step of decodes only (AttentionMetadata.rope_decode set: the runner
 has checked the step's slots and block tables) of at most MAX_ROWS tokens, on a Llama whose
-four linears per layer all go through the C int4 kernel and whose norms have the C kernel, in
-bfloat16. Every other step goes through the modules, as before.
+four linears per layer all go through the C int4 kernel (with bfloat16 or int8 activations) and
+whose norms have the C kernel, in bfloat16. Every other step goes through the modules, as before.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from engine.cpu_kernels.int4_matmul import MAX_KERNEL_ROWS
 from engine.cpu_kernels.paged_attention import PagedDecodeKernel
 from engine.model.attention import AttentionMetadata
-from engine.model.quantized_linear import KernelInt4Linear
+from engine.model.quantized_linear import KernelInt4Int8xLinear, KernelInt4Linear
 from engine.model.rope import StepRope
 
 MAX_ROWS = MAX_KERNEL_ROWS
@@ -34,6 +34,9 @@ MAX_ROWS = MAX_KERNEL_ROWS
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 """A layer's linears, in the order a decode step calls them."""
+
+KERNEL_LINEARS = frozenset({KernelInt4Linear, KernelInt4Int8xLinear})
+"""The linears the plan binds: the C int4 kernel's, with bfloat16 or int8 activations."""
 
 Call = tuple[Callable[..., int], tuple]
 """A C function and its arguments (addresses and sizes), bound once."""
@@ -148,9 +151,8 @@ class DecodePlan:
             return module.kernel.unchecked, (*args, module.weight.data_ptr(), b.h.data_ptr(), rows,
                                              b.h.shape[1], module.eps)
 
-        def linear(module: KernelInt4Linear, x: torch.Tensor, y: torch.Tensor) -> Call:
-            return module.kernel.unchecked_linear, (x.data_ptr(), module.codes.data_ptr(), module.dm.data_ptr(),
-                                                    y.data_ptr(), rows, module.out_features, module.in_features)
+        def linear(module: KernelInt4Linear | KernelInt4Int8xLinear, x: torch.Tensor, y: torch.Tensor) -> Call:
+            return module.bound_call(x, y, rows)
 
         layers = []
         for i, layer in enumerate(self._model.model.layers):
@@ -182,7 +184,7 @@ def _unfit(model: nn.Module, decode_kernel: PagedDecodeKernel | None) -> str:
     if any(getattr(n, "kernel", None) is None for n in norms):
         return "norms without the C kernel"
     for name in LINEARS:
-        kinds = {type(layer.get_submodule(name)).__name__ for layer in layers}
-        if kinds != {KernelInt4Linear.__name__}:
-            return f"{name} is {', '.join(sorted(kinds))}, not the C int4 kernel's"
+        kinds = {type(layer.get_submodule(name)) for layer in layers}
+        if not kinds <= KERNEL_LINEARS:
+            return f"{name} is {', '.join(sorted(k.__name__ for k in kinds))}, not the C int4 kernel's"
     return ""

@@ -16,7 +16,9 @@ Scales and zeros are stored in that compute dtype, the one rounding the GGUF map
 
 Where this project's own int4 kernel is loaded (engine.cpu_kernels.int4_matmul, on CPUs with
 AVX512-BF16), int4 weights go through it instead (KernelInt4Linear): the GGUF block's float16
-(d, m) pair is kept as it is, and batches of decode size read the weights once per call.
+(d, m) pair is kept as it is, and batches of decode size read the weights once per call. With
+int8 activations (EngineConfig.int4_activations) they go through KernelInt4Int8xLinear: the same
+weights, x quantized per group of 32 as llama.cpp does, integer dot products.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.cpu_kernels.int4_matmul import Int4Kernel, PackedInt4, pack
+from engine.cpu_kernels.int4_matmul import Int4Kernel, PackedInt4, pack, pack_int8x, pack_q8_int8x, sums_in_half
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +207,36 @@ class KernelInt4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _restore(self.kernel.linear(_bf16_rows(x, self.in_features), self.packed), x)
 
+    def bound_call(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple:
+        """(the C function, its arguments) computing y[:rows] = x[:rows] @ W^T for contiguous
+        [>= rows, in] / [>= rows, out] bfloat16 buffers that stay put (engine.model.decode_plan)."""
+        return self.kernel.unchecked_linear, (x.data_ptr(), self.codes.data_ptr(), self.dm.data_ptr(), y.data_ptr(),
+                                              rows, self.out_features, self.in_features)
+
+
+class KernelInt4Int8xLinear(nn.Module):
+    """The same int4 weight through the C kernel's int8-activation path: each row of x quantized
+    to 8 bits per group of 32, integer dot products (llama.cpp's numerics for Q4 x Q8; about
+    twice KernelInt4Linear's speed). The weight is held once, in pack_int8x's layout."""
+
+    def __init__(self, weight: PackedInt4, kernel: Int4Kernel) -> None:
+        super().__init__()
+        if not kernel.int8x_supported:
+            raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+        self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        self.register_buffer("blocks", pack_int8x(weight))
+        self.sum_half = sums_in_half(weight)  # Q4_1 (llama.cpp rounds s to float16) or Q4_0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _bf16_rows(x, self.in_features)
+        return _restore(self.kernel.linear_int8x(rows, self.blocks, self.out_features, self.sum_half), x)
+
+    def bound_call(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple:
+        """As KernelInt4Linear.bound_call."""
+        return self.kernel.unchecked_linear_int8x, (x.data_ptr(), self.blocks.data_ptr(), y.data_ptr(), rows,
+                                                    self.out_features, self.in_features, self.sum_half)
+
 
 Q8_KERNEL_ROWS = 8
 """Most rows KernelQ8Linear sends to the C kernel once it has a dense copy to pack (pack_above).
@@ -255,20 +287,40 @@ class KernelQ8Linear(nn.Module):
         return self._packed
 
 
-def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None) -> nn.Module:
+class KernelQ8Int8xLinear(nn.Module):
+    """GGUF Q8_0 blocks through the C kernel's int8-activation path: llama.cpp's Q8_0 x Q8_0
+    product (x quantized per group of 32, exact integer sums), for every batch size. Beside int4
+    linears with int8 activations, so a Q4 GGUF's Q8_0 head computes as llama.cpp's does."""
+
+    def __init__(self, weight: Q8BlockWeight, kernel: Int4Kernel) -> None:
+        super().__init__()
+        if not kernel.int8x_supported:
+            raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+        self.out_features, self.in_features = weight.codes.shape
+        self.kernel = kernel
+        self.register_buffer("blocks", pack_q8_int8x(weight.codes, weight.d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _bf16_rows(x, self.in_features)
+        return _restore(self.kernel.q8_linear_int8x(rows, self.blocks, self.out_features), x)
+
+
+def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None,
+                     int8_activations: bool = False) -> nn.Module:
     """The module for one quantized weight: int4 through `int4_kernel` when given and the weight
-    fits it (engine.cpu_kernels.int4_matmul.pack says when not), else torch's kernels; Q8_0 blocks
-    only through the kernel, in bfloat16 (ValueError otherwise)."""
+    fits it (engine.cpu_kernels.int4_matmul.pack says when not), with int8 activations when asked,
+    else torch's kernels; Q8_0 blocks only through the kernel, in bfloat16 (ValueError otherwise)."""
     if isinstance(weight, Q8BlockWeight):
         if int4_kernel is None or not kernel_computes(dtype):
             raise ValueError("Q8_0 blocks are computed only by the C kernel, in bfloat16")
-        return KernelQ8Linear(weight, int4_kernel)
+        return KernelQ8Int8xLinear(weight, int4_kernel) if int8_activations else KernelQ8Linear(weight, int4_kernel)
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, dtype)
     if int4_kernel is not None and kernel_computes(dtype):
         packed = pack(weight.codes, weight.scales, weight.zeros, weight.group_size)
         if isinstance(packed, PackedInt4):
-            return KernelInt4Linear(packed, int4_kernel)
+            kind = KernelInt4Int8xLinear if int8_activations else KernelInt4Linear
+            return kind(packed, int4_kernel)
     return Int4Linear(weight, dtype)
 
 
@@ -282,7 +334,7 @@ def kernels_available(device_type: str) -> bool:
 
 
 def install_quantized_linears(module: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype,
-                              int4_kernel: Int4Kernel | None = None) -> None:
+                              int4_kernel: Int4Kernel | None = None, int8_activations: bool = False) -> None:
     """Replace each linear named in `weights` (HF parameter names, `...q_proj.weight`) by its
     quantized module (quantized_linear). Mutates `module`, at load time only; raises KeyError for
     an unknown name."""
@@ -291,4 +343,4 @@ def install_quantized_linears(module: nn.Module, weights: dict[str, QuantizedWei
         parent = module.get_submodule(parent_name)
         if not isinstance(getattr(parent, child), nn.Linear):
             raise KeyError(f"{name} is not a linear of {type(module).__name__}")
-        setattr(parent, child, quantized_linear(weight, dtype, int4_kernel))
+        setattr(parent, child, quantized_linear(weight, dtype, int4_kernel, int8_activations))
