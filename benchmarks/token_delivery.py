@@ -8,7 +8,9 @@ Method (printed with the results too):
 - Each round starts `pdserve up --prefill 1 --decode 1 --kv-cache-memory 512MiB` (the default
   model, free 127.0.0.1 ports) once per setting, one after the other, never two at once:
   `link` is the default router, `grpc` adds `--worker-link false` (the router's Decode,
-  Prefill and Abort over gRPC, as before the link). The settings alternate first place.
+  Prefill and Abort over gRPC, as before the link), `int8` is `link` with the workers' int4
+  linears on int8 activations (`--int4-activations int8`: shorter steps). The settings
+  alternate first place.
 - Load: a warm-up run of the same shape (other prompts: a cold cluster's first run is slower),
   then pdserve bench's library on /v1/completions:
   --num-prompts random prompts of --input-len tokens, --output-len tokens each (ignore_eos,
@@ -48,7 +50,7 @@ from pdserve.ports import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 300.0
-SETTINGS = {"link": [], "grpc": ["--worker-link", "false"]}
+SETTINGS = {"link": [], "grpc": ["--worker-link", "false"], "int8": ["--int4-activations", "int8"]}
 GOAL_P99_MS = 5.0
 
 
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{len(v)} run(s) ({'met' if max(x['p99'] for x in v) <= GOAL_P99_MS else 'NOT MET'} in every run: "
              f"goal <= {GOAL_P99_MS:g} ms)" for s, v in by_setting.items() if v]
     method = [f"pdserve up --prefill 1 --decode 1 --kv-cache-memory {args.kv_cache_memory}, per setting in turn "
-              f"(link: the default; grpc: --worker-link false), {args.rounds} round(s), first place alternating",
+              f"(link: the default; grpc: --worker-link false; int8: --int4-activations int8), {args.rounds} round(s), "
+              "first place alternating",
               f"load: a warm-up run of the same shape (other prompts), then {args.num_prompts} random prompts of {args.input_len} tokens, "
               f"{args.output_len} tokens each, ignore_eos, greedy, at most {args.concurrency} in flight",
               "delivery delay: a token's arrival at the client minus its sample time on the worker (same host clock), "
