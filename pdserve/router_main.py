@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+
+from proto.heap import settle_heap
 
 logger = logging.getLogger(__name__)
 
@@ -315,22 +316,6 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
         from pdserve.router_workers import forget_ready_file
 
         forget_ready_file(Path(args.ready_file))
-
-
-GC_GEN0_THRESHOLD = 20_000
-"""Allocations between young-generation collections (CPython's default: 700). A streamed
-request allocates a few thousand short-lived objects (protobufs, dicts, frames); at 700 the
-collector ran several times per request and took ~5% of the router's CPU under
-benchmarks/router_overhead.py. The objects die young either way: only the pauses get fewer."""
-
-
-def settle_heap() -> None:
-    """Collect once, move what start-up built (modules, the app, the tokenizer) out of the
-    collector's view for good (gc.freeze), and collect the young generation less often."""
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def start_cluster_stats(args: argparse.Namespace, reader, backend) -> asyncio.Task | None:

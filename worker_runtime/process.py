@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from proto.heap import settle_heap
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.link import LinkServer
 from proto.log_context import set_identity
@@ -217,6 +218,7 @@ class WorkerProcess:
         reflection.enable_server_reflection(
             (self.role.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self._start_metrics()
+        settle_heap()  # the model, tokenizer and servers are built: freeze them before serving
         await self._server.start()
         if spec.link_port >= 0 and self.role.link_methods:
             self._link = LinkServer(self._secret, servicer, self.role.link_methods, spec.host, spec.link_port)

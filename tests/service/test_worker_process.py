@@ -145,6 +145,8 @@ def test_worker_from_a_spec_registers_as_serving_and_sigterm_unregisters_it(tiny
     assert (info.link_address == "") is (role == "prefill"), info
     assert info.metrics_address == f"127.0.0.1:{metrics_port}"
     assert worker_gauges(metrics_port) == {"pdserve_worker_in_flight": 0.0, "pdserve_worker_draining": 0.0}
+    # the model and tokenizer frozen out of the collector's view before serving (proto/heap.py)
+    assert len(log_lines(log, "start-up objects frozen out of the garbage collector's view")) == 1
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=EXIT_TIMEOUT_S) == 0, log.read_text()

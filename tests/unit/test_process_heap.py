@@ -1,15 +1,15 @@
-"""The router process settles its heap once serving starts: start-up objects frozen out of the
-collector's view, young collections every GC_GEN0_THRESHOLD allocations (pdserve/router_main.py)."""
+"""Router and worker processes settle their heap once serving starts: start-up objects frozen out
+of the collector's view, young collections every GC_GEN0_THRESHOLD allocations (proto/heap.py)."""
 
 import gc
 
-from pdserve.router_main import GC_GEN0_THRESHOLD, settle_heap
+from proto.heap import GC_GEN0_THRESHOLD, settle_heap
 
 
 def test_settle_heap_freezes_start_up_objects_and_raises_only_the_young_generation_threshold():
     before = gc.get_threshold()
     try:
-        settle_heap()
+        assert settle_heap() == gc.get_freeze_count()
         assert gc.get_threshold() == (GC_GEN0_THRESHOLD, before[1], before[2])
         assert gc.get_freeze_count() > 0
     finally:
