@@ -205,3 +205,13 @@ def test_q8_0_weights_are_llamacpps_q8_0_times_q8_0_computed_in_float32(rows, ou
     module = quantized_linear(weight, torch.bfloat16, KERNEL, int8_activations=True)
     assert isinstance(module, KernelQ8Int8xLinear)
     assert torch.equal(module(x), got)
+
+
+def test_asking_for_int8_activations_on_a_cpu_without_vnni_refuses_to_start(folder, monkeypatch):
+    from engine.loader import model_loader
+
+    without_vnni = load_int4_kernel()[0]
+    without_vnni.int8x_supported = False
+    monkeypatch.setattr(model_loader, "_int4_kernel", lambda: without_vnni)
+    with pytest.raises(ValueError, match="--int4-activations int8 needs AVX512-VNNI"):
+        tiny_llm(folder, dtype="bfloat16", quantization="int4", int4_activations="int8")
