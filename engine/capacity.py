@@ -32,14 +32,37 @@ def linear_params(spec: ModelSpec) -> tuple[int, int]:
     return spec.num_layers * per_layer, spec.num_layers * (q + 2 * kv + h + 2 * i + h)
 
 
-def weights_bytes(spec: ModelSpec, dtype: str, quantization: str = "none") -> int:
-    """Bytes of the weights as a worker holds them. Embeddings, norms and lm_head are dense in
-    `dtype`; with int4 / int8 the decoder linears take half a byte (plus a bfloat16 scale and
-    zero per 32 weights) / one byte (plus a bfloat16 scale per row) a weight."""
+HEADS = ("dense", "int4", "q8_0")
+"""How a worker holds the output projection (engine.loader.quant_choice.lm_head_quantization)."""
+
+
+def head_bytes(spec: ModelSpec, head: str) -> int:
+    """Bytes of the output projection held as `head`'s blocks: int4 half a byte a weight plus a
+    float16 (d, m) pair per 32; q8_0 one byte plus a float16 d per 32 (GGUF's Q8_0 block). 0 for
+    dense (counted with the dense parameters)."""
+    weights = spec.vocab_size * spec.hidden_size
+    if head == "int4":
+        return weights // 2 + (weights // INT4_GROUP_SIZE) * 2 * _SCALE_BYTES
+    if head == "q8_0":
+        return weights + (weights // INT4_GROUP_SIZE) * _SCALE_BYTES
+    if head == "dense":
+        return 0
+    raise ValueError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
+
+
+def weights_bytes(spec: ModelSpec, dtype: str, quantization: str = "none", head: str = "dense") -> int:
+    """Bytes of the weights as a worker holds them. Embeddings and norms are dense in `dtype`;
+    with int4 / int8 the decoder linears take half a byte (plus a bfloat16 scale and zero per 32
+    weights) / one byte (plus a bfloat16 scale per row) a weight. The output projection is dense
+    unless `head` says it keeps a GGUF's blocks: then a tied head adds them beside the dense
+    token embedding, and an untied one holds them instead of its dense copy."""
+    blocks = head_bytes(spec, head)
+    if blocks and not spec.tie_word_embeddings:
+        blocks -= spec.vocab_size * spec.hidden_size * KV_DTYPE_BYTES[dtype]
     if quantization in ("none", "auto"):
-        return spec.num_params * KV_DTYPE_BYTES[dtype]
+        return spec.num_params * KV_DTYPE_BYTES[dtype] + blocks
     linear, rows = linear_params(spec)
-    dense = (spec.num_params - linear) * KV_DTYPE_BYTES[dtype]
+    dense = (spec.num_params - linear) * KV_DTYPE_BYTES[dtype] + blocks
     if quantization == "int4":
         return dense + linear // 2 + (linear // INT4_GROUP_SIZE) * 2 * _SCALE_BYTES
     if quantization == "int8":

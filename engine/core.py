@@ -39,6 +39,7 @@ from engine.loader.model_loader import load_model
 from engine.loader.quant_choice import bytes_method
 from engine.loader.weights_cache import default_cache_dir
 from engine.model.llama import RMSNorm
+from engine.model.quantized_linear import head_held_as
 from engine.model.spec import ModelSpec
 from engine.request import Request
 from engine.runner import ModelRunner, allocate_kv_caches, allocate_swap_caches
@@ -114,6 +115,8 @@ class EngineCore:
         self.spec = loaded.spec
         self.load_seconds = loaded.load_seconds
         self.quantization = loaded.quantization
+        self.head = head_held_as(loaded.module)
+        """How the output projection is held (engine.capacity.HEADS): its bytes count in the weights."""
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer or loaded.path)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids) | frozenset(self.spec.eos_token_ids)
         """Tokens that end a request unless ignore_eos (eos and end-of-turn tokens)."""
@@ -197,7 +200,7 @@ class EngineCore:
     def _kv_budget_bytes(self) -> int | None:
         """engine.capacity.kv_budget, the rule `pdserve plan` uses too."""
         counted = bytes_method(self.quantization, self.model_path)
-        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."), counted)
+        weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."), counted, self.head)
         # The weights are already resident: the memory before them = available now + weights.
         return kv_budget(
             self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights

@@ -34,8 +34,8 @@ from engine.model.spec import ModelSpec
 from pdserve.engine_args import add_engine_args, engine_config_from_args, parse_bytes
 from pdserve.plan_traffic import Traffic, max_model_len_warnings, read_traffic
 from pdserve.plan_weights import (
-    WeightsPlacement, check_weights_fit, per_device_spec, place_weights, planned_quantization, weights_rows,
-    weights_share,
+    WeightsPlacement, check_weights_fit, per_device_spec, place_weights, planned_head, planned_quantization,
+    weights_rows, weights_share,
 )
 
 CPU_FLOPS_PER_CORE = 50e9
@@ -156,8 +156,9 @@ def build_plan(config: EngineConfig, inputs: PlanInputs, spec: ModelSpec, model_
     WeightsDoNotFit (a ValueError) when the weights alone exceed a device."""
     device_type, dtype = resolve_device_dtype(config)
     device = device_model(config, device_type, inputs)
-    placement = place_weights(spec, dtype, planned_quantization(config, Path(model_path), device_type, dtype),
-                              inputs.tensor_parallel_size, inputs.cpu_offload_gb)
+    quantization = planned_quantization(config, Path(model_path), device_type, dtype)
+    head = planned_head(config, Path(model_path), device_type, dtype, quantization[0], spec.tie_word_embeddings)
+    placement = place_weights(spec, dtype, quantization, inputs.tensor_parallel_size, inputs.cpu_offload_gb, head)
     check_weights_fit(placement, device.memory_bytes, weights_share(config, device_type), device.memory_source)
     weights = placement.per_device_bytes
     kv_dtype = kv_dtype_name(config.kv_cache_dtype, dtype)

@@ -33,6 +33,8 @@ class WeightsDoNotFit(ValueError):
 class WeightsPlacement:
     quantization: str
     """How the bytes were counted: none, int8 or int4."""
+    head: str
+    """How the output projection is held: dense, int4 or q8_0 (a GGUF's blocks kept)."""
     quantization_source: str
     """Why, e.g. "--quantization gguf: the GGUF's quantized linears kept (int4)"."""
     total_bytes: int
@@ -47,7 +49,7 @@ class WeightsPlacement:
 
 def place_weights(
     spec: ModelSpec, dtype: str, quantization: tuple[str, str], tensor_parallel_size: int = 1,
-    cpu_offload_gb: float = 0,
+    cpu_offload_gb: float = 0, head: str = "dense",
 ) -> WeightsPlacement:
     """The placement; raises ValueError when the heads do not split over tensor_parallel_size."""
     tp = tensor_parallel_size
@@ -61,10 +63,10 @@ def place_weights(
     if not 0 <= cpu_offload_gb < float("inf"):
         raise ValueError(f"--cpu-offload-gb must be a finite number >= 0, got {cpu_offload_gb}")
     method, source = quantization
-    total = weights_bytes(spec, dtype, method)
+    total = weights_bytes(spec, dtype, method, head)
     offload = int(cpu_offload_gb * GiB)
     return WeightsPlacement(
-        quantization=method, quantization_source=source, total_bytes=total, tensor_parallel_size=tp,
+        quantization=method, head=head, quantization_source=source, total_bytes=total, tensor_parallel_size=tp,
         cpu_offload_bytes=offload, per_device_bytes=max(-(-total // tp) - offload, 0),
         kv_heads_per_device=max(spec.num_kv_heads // tp, 1),
     )
@@ -98,6 +100,20 @@ def planned_quantization(config: EngineConfig, path: Path, device_type: str, dty
     return counted, f"--quantization gguf: the GGUF's quantized linears kept ({counted})"
 
 
+def planned_head(config: EngineConfig, path: Path, device_type: str, dtype: str, method: str, tied: bool) -> str:
+    """How a worker would hold the output projection (engine.loader.quant_choice.gguf_head): a
+    GGUF's Q8_0 head keeps its blocks beside int4 linears only where the C kernel computes
+    (CPU, bfloat16 or float32 (computed in bfloat16), the kernel buildable here), as a worker decides."""
+    from engine.cpu_kernels.loader import int4_kernel_host
+    from engine.loader.quant_choice import gguf_head
+
+    if method != "int4":
+        return "dense"
+    q8_kernel = (device_type == "cpu" and dtype != "float16" and config.cpu_int4_kernel
+                 and int4_kernel_host() is None)
+    return gguf_head(path, method, tied, q8_kernel)
+
+
 def weights_share(config: EngineConfig, device_type: str) -> float:
     """The share of a device's memory weights may take: --gpu-memory-utilization (0.9 on GPU by
     default, vLLM's meaning); on CPU without it, all of MemAvailable (the KV budget is fixed)."""
@@ -129,6 +145,8 @@ def check_weights_fit(placement: WeightsPlacement, device_memory: int, share: fl
 def weights_rows(w: WeightsPlacement) -> list[tuple[str, str]]:
     """The rows `pdserve plan` prints about the weights (pdserve.plan.render)."""
     rows = [("Quantization:", f"{w.quantization} ({w.quantization_source})")]
+    if w.head != "dense":
+        rows.append(("Output head:", f"{w.head} (the GGUF's own blocks, beside a dense token embedding when tied)"))
     if w.tensor_parallel_size > 1 or w.cpu_offload_bytes:
         rows += [("Tensor parallel / CPU offload:", f"{w.tensor_parallel_size} device(s), "
                   f"{format_bytes(w.cpu_offload_bytes)} per device offloaded"),

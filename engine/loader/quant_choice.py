@@ -77,6 +77,19 @@ def lm_head_quantization(linear_scheme: str, head_type: str | None, q8_kernel: b
     return "q8_0" if head_type == "Q8_0" and q8_kernel else "none"
 
 
+def gguf_head(path: Path, linear_scheme: str, tied: bool, q8_kernel: bool) -> str:
+    """How a worker holds a model's output projection ("dense", "int4" or "q8_0"; capacity.HEADS):
+    lm_head_quantization on the file's head tensor (token_embd.weight when tied); an HF folder's
+    head is dense."""
+    if path.is_dir():
+        return "dense"
+    from engine.loader.gguf_meta import read_gguf_tensor_types
+
+    head_type = read_gguf_tensor_types(path).get("token_embd.weight" if tied else "output.weight")
+    held = lm_head_quantization(linear_scheme, head_type, q8_kernel)
+    return "dense" if held == "none" else held
+
+
 def gguf_linear_types(path: Path) -> set[str]:
     """The ggml types of a GGUF's decoder linears, e.g. {"Q4_1"}."""
     from engine.loader.gguf_loader import hf_name

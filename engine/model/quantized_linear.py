@@ -305,6 +305,17 @@ class KernelQ8Int8xLinear(nn.Module):
         return _restore(self.kernel.q8_linear_int8x(rows, self.blocks, self.out_features), x)
 
 
+def head_held_as(module: nn.Module) -> str:
+    """How `module`'s output projection is held, in engine.capacity.HEADS' terms: a GGUF's Q8_0 or
+    Q4 blocks, or dense."""
+    head = getattr(module, "lm_head", None)
+    if isinstance(head, (KernelQ8Linear, KernelQ8Int8xLinear)):
+        return "q8_0"
+    if isinstance(head, (Int4Linear, KernelInt4Linear, KernelInt4Int8xLinear)):
+        return "int4"
+    return "dense"
+
+
 def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: Int4Kernel | None = None,
                      int8_activations: bool = False) -> nn.Module:
     """The module for one quantized weight: int4 through `int4_kernel` when given and the weight

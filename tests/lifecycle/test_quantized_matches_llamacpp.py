@@ -78,6 +78,7 @@ def test_int4_first_token_is_llamacpps_top1_and_greedy_tokens_agree(activations,
         pytest.skip("int8 activations need the C int4 kernel with AVX512-VNNI")
     llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=1024, num_threads=2, int4_activations=activations)
     assert llm.engine.core.quantization == "gguf"  # Q4_1 blocks kept as int4
+    assert llm.engine.core.head == ("q8_0" if kernel is not None else "dense")  # counted in the weights' bytes
     model = llm.engine.runner.model
     if activations == "int8":  # the Q8_0 head as llama.cpp multiplies it: Q8_0 x Q8_0, every batch size
         assert isinstance(model.lm_head, KernelQ8Int8xLinear)

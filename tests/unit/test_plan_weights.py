@@ -3,6 +3,8 @@ per-device KV heads, and "the weights alone do not fit" said as such (not "raise
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -48,6 +50,15 @@ def test_weights_bytes_count_int4_and_int8_linears_with_their_scales():
     assert weights_bytes(spec, "bfloat16", "int4") == 56_693_376 + 53_084_160 + 13_271_040 == 123_048_576
     assert weights_bytes(spec, "bfloat16", "int8") == 56_693_376 + 106_168_320 + 311_040 == 163_172_736
     assert weights_bytes(spec, "float32", "int4") == 113_386_752 + 53_084_160 + 13_271_040
+    # a head that keeps a GGUF's blocks: beside the tied embedding, or instead of an untied dense head
+    head = 49152 * 576
+    assert weights_bytes(spec, "bfloat16", "int4", "q8_0") == 123_048_576 + head + head // 32 * 2
+    assert weights_bytes(spec, "bfloat16", "int4", "int4") == 123_048_576 + head // 2 + head // 32 * 4
+    untied = dataclasses.replace(spec, tie_word_embeddings=False)
+    assert weights_bytes(untied, "bfloat16", "int4", "q8_0") == (
+        weights_bytes(untied, "bfloat16", "int4") - 2 * head + head + head // 32 * 2)
+    with pytest.raises(ValueError, match="head must be one of dense, int4, q8_0"):
+        weights_bytes(spec, "bfloat16", "int4", "q4")
 
 
 def test_a_70b_model_fits_4x80gb_at_8192_with_tensor_parallel_4(tmp_path, capsys):
@@ -96,12 +107,19 @@ def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_as_the_c_kernel
     from engine.cpu_kernels import loader
 
     cpu = ["--device", "cpu", "--device-memory", "8GiB", "--max-model-len", "2048"]
-    kept = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf")
-    assert (kept["weights"]["quantization"], kept["weights_bytes"]) == ("int4", 123_048_576)
+    # beside int4 linears the C kernel keeps the tied head's Q8_0 blocks too: 49152 x 576 at one
+    # byte a weight plus a float16 d per 32, on top of the dense token embedding
+    q8_head = 49152 * 576 + 49152 * 576 // 32 * 2
+    assert q8_head == 30_081_024
     monkeypatch.setattr(loader, "int4_kernel_host", lambda: None)  # a host that builds the C int4 kernel
+    kept = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf")
+    assert (kept["weights"]["quantization"], kept["weights"]["head"]) == ("int4", "q8_0")
+    assert kept["weights_bytes"] == 123_048_576 + q8_head
     auto = plan_json(capsys, *cpu, "--dtype", "bfloat16")
-    assert (auto["weights"]["quantization"], auto["weights_bytes"]) == ("int4", 123_048_576)
+    assert (auto["weights"]["quantization"], auto["weights_bytes"]) == ("int4", 123_048_576 + q8_head)
     assert "C int4 kernel" in auto["weights"]["quantization_source"]
+    torch_int4 = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf", "--no-cpu-int4-kernel")
+    assert (torch_int4["weights"]["head"], torch_int4["weights_bytes"]) == ("dense", 123_048_576)
     off = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--no-cpu-int4-kernel")
     assert (off["weights"]["quantization"], off["weights_bytes"]) == ("none", 269_030_016)
     monkeypatch.setattr(loader, "int4_kernel_host", lambda: "the CPU has no AVX512-BF16")
