@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 import httpx  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
 from tests.e2e.cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,7 @@ def one_run(launcher: str, kv: str) -> tuple[float, dict[str, float]]:
 
 
 def main() -> int:
+    exit_on_sigterm()  # SIGTERM unwinds, so the clusters started below are stopped
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="runs of each launcher (alternating order)")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache of each worker")

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 import httpx  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, run_header, text_table  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
 
 HOST = "127.0.0.1"
 BLOCK_SIZE = 16
@@ -288,6 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # SIGTERM unwinds, so the processes started below are stopped
     from engine.loader.locate import default_model_path
     from engine.loader.spec_reader import read_spec
 

@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from benchmarks.common import REPO_ROOT, append_results, markdown_table, run_header, text_table  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
 from benchmarks.router_paths import PathRun, direct_path, merged, router_path  # noqa: E402
 from benchmarks.router_peers import (  # noqa: E402
     RUST_ROUTERS,
@@ -344,6 +345,7 @@ def start_routers(stack: contextlib.ExitStack, args, redis_url: str, doubles: Do
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # SIGTERM unwinds, so the routers, doubles and Redis started below are stopped
     from engine.loader.locate import default_model_path
     from engine.tokenizer import load_tokenizer
 

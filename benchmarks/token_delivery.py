@@ -40,6 +40,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, run_header, text_table  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
 from pdserve.bench.client import Endpoint  # noqa: E402
 from pdserve.bench.datasets import random_requests  # noqa: E402
 from pdserve.bench.main import TOKEN_TIMES  # noqa: E402
@@ -131,6 +132,7 @@ HEADERS = ["round", "setting", "delivery p99 ms", "delivery mean ms", "first tok
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # SIGTERM unwinds, so the cluster of the round is stopped
     from engine.loader.locate import default_model_path
     from engine.tokenizer import load_tokenizer
 

@@ -54,6 +54,7 @@ import torch  # noqa: E402
 from torch.distributed import ProcessGroupGloo, TCPStore  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, run_header, text_table  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
 from benchmarks.transfer_overlap import OVERLAP_HEADERS, overlap_rows, run_overlap  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -573,6 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # SIGTERM unwinds, so the spawned receiver is stopped
     args = parse_args(argv)
     loads = [load_average()]
     print(f"load average (1/5/15 min): {loads[0]}", flush=True)
