@@ -1,5 +1,6 @@
-"""CPU int4 linears: the C kernel (engine/cpu_kernels/int4_linear.c) against torch's int4 kernel
-and oneDNN-packed dense bfloat16, side by side in one run.
+"""CPU int4 linears: the C kernel (engine/cpu_kernels/int4_linear.c), with bfloat16 activations and
+with int8 ones (--int4-activations int8), against torch's int4 kernel and oneDNN-packed dense
+bfloat16, side by side in one run.
 
     .venv/bin/python benchmarks/int4_linear.py [--quick] [--no-results]
 
@@ -10,8 +11,8 @@ Two parts:
   turn as a decode step does, so the weights come from memory, not from a warm cache. ms for
   the 30 layers per batch size (rows of x) and torch thread count, median of --repeat.
 - engine: an EngineCore of the default Q4_1 GGUF in bfloat16 on 2 threads, the median decode
-  step at batch 1 and 8 (128-token prompts), with the C kernel (--quantization gguf), with
-  torch's int4 kernel (--no-cpu-int4-kernel) and dense (--quantization none).
+  step at batch 1 and 8 (128-token prompts), with the C kernel (--quantization gguf), the same
+  with int8 activations, torch's int4 kernel (--no-cpu-int4-kernel) and dense (--quantization none).
 """
 
 from __future__ import annotations
@@ -37,18 +38,19 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int) -> list[list[object]]:
     from engine.cpu_kernels.int4_matmul import load_int4_kernel, pack
     from engine.model.packed_linear import PackedLinear
-    from engine.model.quantized_linear import Int4Linear, KernelInt4Linear, quantize_int4
+    from engine.model.quantized_linear import Int4Linear, KernelInt4Int8xLinear, KernelInt4Linear, quantize_int4
 
     kernel, reason = load_int4_kernel()
-    if kernel is None:
-        raise SystemExit(f"no C int4 kernel here: {reason}")
+    if kernel is None or not kernel.int8x_supported:
+        raise SystemExit(f"no C int4 kernel with AVX512-VNNI here: {reason or 'no VNNI'}")
     gen = torch.Generator().manual_seed(0)
-    modules: dict[str, list[torch.nn.Module]] = {"C kernel": [], "torch int4": [], "dense bf16": []}
+    modules: dict[str, list[torch.nn.Module]] = {"C kernel": [], "C int8 act": [], "torch int4": [], "dense bf16": []}
     for _ in range(layers):
         for out, cols in SHAPES:
             w = quantize_int4(torch.randn(out, cols, generator=gen) * 0.05)
             packed = pack(w.codes, w.scales, w.zeros, w.group_size)
             modules["C kernel"].append(KernelInt4Linear(packed, kernel))
+            modules["C int8 act"].append(KernelInt4Int8xLinear(packed, kernel))
             modules["torch int4"].append(Int4Linear(w, torch.bfloat16))
             modules["dense bf16"].append(PackedLinear(kernel.dequantize(packed)))
     rows = []
@@ -64,8 +66,9 @@ def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int
                         m(xs[m.in_features])
                     if r:
                         times[name].append((time.perf_counter() - start) * 1e3)
-            c, t, d = (statistics.median(times[k]) for k in ("C kernel", "torch int4", "dense bf16"))
-            rows.append([n, batch, f"{c:.2f}", f"{t:.2f}", f"{d:.2f}", f"{c / t:.2f}x", f"{c / d:.2f}x"])
+            c, i, t, d = (statistics.median(times[k]) for k in ("C kernel", "C int8 act", "torch int4", "dense bf16"))
+            rows.append([n, batch, f"{c:.2f}", f"{i:.2f}", f"{t:.2f}", f"{d:.2f}", f"{c / t:.2f}x", f"{c / d:.2f}x",
+                         f"{c / i:.2f}x"])
     return rows
 
 
@@ -75,8 +78,8 @@ def engine_rows(batches: list[int], new_tokens: int) -> list[list[object]]:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    setups = {"C kernel": dict(quantization="gguf"), "torch int4": dict(quantization="gguf", cpu_int4_kernel=False),
-              "dense bf16": dict(quantization="none")}
+    setups = {"C kernel": dict(quantization="gguf"), "C int8 act": dict(quantization="gguf", int4_activations="int8"),
+              "torch int4": dict(quantization="gguf", cpu_int4_kernel=False), "dense bf16": dict(quantization="none")}
     medians: dict[int, dict[str, float]] = {b: {} for b in batches}
     for name, kwargs in setups.items():
         engine = LLMEngine(EngineConfig.from_kwargs(dtype="bfloat16", max_model_len=1024, num_threads=2,
@@ -85,9 +88,9 @@ def engine_rows(batches: list[int], new_tokens: int) -> list[list[object]]:
         for batch in batches:
             prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(batch)]
             medians[batch][name] = median_decode_step_ms(engine, prompts, params, f"{name}-{batch}")
-    return [[b, f"{m['C kernel']:.1f}", f"{m['torch int4']:.1f}", f"{m['dense bf16']:.1f}",
-             f"{m['C kernel'] / m['torch int4']:.2f}x", f"{m['C kernel'] / m['dense bf16']:.2f}x"]
-            for b, m in medians.items()]
+    return [[b, f"{m['C kernel']:.1f}", f"{m['C int8 act']:.1f}", f"{m['torch int4']:.1f}", f"{m['dense bf16']:.1f}",
+             f"{m['C kernel'] / m['torch int4']:.2f}x", f"{m['C kernel'] / m['dense bf16']:.2f}x",
+             f"{m['C kernel'] / m['C int8 act']:.2f}x"] for b, m in medians.items()]
 
 
 def main() -> None:
@@ -99,19 +102,23 @@ def main() -> None:
     if args.quick:
         batches, threads, repeat, layers, e_batches, new_tokens = [1, 20], [1], 1, 2, [2], 4
     else:
-        batches, threads, repeat, layers, e_batches, new_tokens = [1, 4, 8, 16], [1, 2], args.repeat, LAYERS, [1, 8], 40
-    l_headers = ["threads", "rows of x", "C kernel ms", "torch int4 ms", "dense bf16 ms", "C / torch int4", "C / dense"]
+        batches, threads, repeat, layers = [1, 4, 8, 16, 32, 256], [1, 2], args.repeat, LAYERS
+        e_batches, new_tokens = [1, 8], 40
+    l_headers = ["threads", "rows of x", "C kernel ms", "C int8 act ms", "torch int4 ms", "dense bf16 ms",
+                 "C / torch int4", "C / dense", "C / C int8 act"]
     l_rows = linear_rows(batches, threads, repeat, layers)
-    e_headers = ["decode batch", "C kernel step ms", "torch int4 step ms", "dense bf16 step ms", "C / torch int4",
-                 "C / dense"]
+    e_headers = ["decode batch", "C kernel step ms", "C int8 act step ms", "torch int4 step ms", "dense bf16 step ms",
+                 "C / torch int4", "C / dense", "C / C int8 act"]
     e_rows = engine_rows(e_batches, new_tokens)
     report_tables([(l_headers, l_rows), (e_headers, e_rows)],
-                  "int4_linear (C int4 kernel vs torch int4 vs dense bfloat16)", [
+                  "int4_linear (C int4 kernel, bfloat16 and int8 activations, vs torch int4 vs dense bfloat16)", [
         f"- linears: the {len(SHAPES)} decoder linears of the default model's shape {list(SHAPES)} (out, in), "
         f"{layers} layers of them, each its own weights (random, int4 in groups of 32), called in turn so the weights "
         f"come from memory; bfloat16 activations; ms for all {layers} layers, median of {repeat} rounds",
         "- C kernel: engine.cpu_kernels.int4_matmul (up to 32 rows through the kernel, more: dequantize + dense "
-        "matmul); torch int4: _weight_int4pack_mm_for_cpu; dense bf16: oneDNN-packed weights of the same values",
+        "matmul); C int8 act: the same weights with x quantized per group of 32 as llama.cpp does, integer dot "
+        "products, every batch size in the kernel; torch int4: _weight_int4pack_mm_for_cpu; dense bf16: "
+        "oneDNN-packed weights of the same values",
         f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (1 for steps of <= 4 tokens, the "
         f"default --decode-threads), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
         "median of the steps in which every request decodes",
