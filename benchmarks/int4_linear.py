@@ -72,6 +72,40 @@ def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int
     return rows
 
 
+HEAD = (49152, 576)
+"""(out, in) of SmolLM2-135M's output projection: Q8_0 blocks in the default GGUF."""
+
+
+def head_rows(batches: list[int], repeat: int) -> list[list[object]]:
+    """The Q8_0 head on 2 threads: the C kernel with bfloat16 and with int8 activations, and
+    oneDNN's packed bfloat16 matmul on the same values (what a bfloat16 worker uses past 8 rows)."""
+    from engine.cpu_kernels.int4_matmul import load_int4_kernel
+    from engine.model.packed_linear import PackedLinear
+    from engine.model.quantized_linear import KernelQ8Int8xLinear, KernelQ8Linear, Q8BlockWeight
+
+    kernel, _ = load_int4_kernel()
+    gen = torch.Generator().manual_seed(1)
+    out, cols = HEAD
+    weight = Q8BlockWeight(torch.randint(-128, 128, (out, cols), generator=gen, dtype=torch.int8),
+                           (torch.rand(out, cols // 32, generator=gen) * 0.01).half())
+    heads = {"C q8 bf16": KernelQ8Linear(weight, kernel), "C q8 int8 act": KernelQ8Int8xLinear(weight, kernel),
+             "packed bf16": PackedLinear(weight.dequantize().to(torch.bfloat16))}
+    torch.set_num_threads(2)
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, cols, generator=gen).to(torch.bfloat16)
+        times = {name: [] for name in heads}
+        for r in range(repeat + 1):
+            for name, head in heads.items():
+                start = time.perf_counter()
+                head(x)
+                if r:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        q, i, d = (statistics.median(times[k]) for k in heads)
+        rows.append([batch, f"{q:.2f}", f"{i:.2f}", f"{d:.2f}", f"{q / i:.2f}x", f"{d / i:.2f}x"])
+    return rows
+
+
 def engine_rows(batches: list[int], new_tokens: int) -> list[list[object]]:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
@@ -110,7 +144,10 @@ def main() -> None:
     e_headers = ["decode batch", "C kernel step ms", "C int8 act step ms", "torch int4 step ms", "dense bf16 step ms",
                  "C / torch int4", "C / dense", "C / C int8 act"]
     e_rows = engine_rows(e_batches, new_tokens)
-    report_tables([(l_headers, l_rows), (e_headers, e_rows)],
+    h_headers = ["head rows of x", "C q8 bf16 ms", "C q8 int8 act ms", "packed bf16 ms", "bf16 / int8 act",
+                 "packed / int8 act"]
+    h_rows = head_rows(batches, repeat)
+    report_tables([(l_headers, l_rows), (e_headers, e_rows), (h_headers, h_rows)],
                   "int4_linear (C int4 kernel, bfloat16 and int8 activations, vs torch int4 vs dense bfloat16)", [
         f"- linears: the {len(SHAPES)} decoder linears of the default model's shape {list(SHAPES)} (out, in), "
         f"{layers} layers of them, each its own weights (random, int4 in groups of 32), called in turn so the weights "
@@ -122,6 +159,8 @@ def main() -> None:
         f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (1 for steps of <= 4 tokens, the "
         f"default --decode-threads), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
         "median of the steps in which every request decodes",
+        f"- head: the default model's {HEAD[0]} x {HEAD[1]} output projection as Q8_0 blocks (random), 2 threads, "
+        f"the same rows of x as above; median of {repeat} rounds",
     ], write=not (args.quick or args.no_results))
 
 if __name__ == "__main__":
