@@ -47,8 +47,6 @@ class PackedInt4:
 
 INT8X_LANES = 16
 """Output rows per block of the int8-activation layout (one float32 register's lanes)."""
-INT8X_BLOCK_BYTES = 320
-"""Bytes per block and group: 16 rows x 32 codes at 4 bits, then 16 float16 d and 16 float16 m."""
 
 
 def pack_int8x(weight: PackedInt4) -> torch.Tensor:
@@ -71,10 +69,6 @@ def pack_int8x(weight: PackedInt4) -> torch.Tensor:
     scales = dm.reshape(blocks, INT8X_LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [block, group, d|m, row]
     packed = torch.cat((codes, scales.view(torch.uint8).reshape(blocks, groups, 4 * INT8X_LANES)), -1)
     return packed.contiguous()
-
-
-Q8X_BLOCK_BYTES = 544
-"""Bytes per block and group of a Q8_0 weight in that layout: 16 rows x 32 codes + 128, 16 float16 d."""
 
 
 def pack_q8_int8x(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -168,7 +162,7 @@ class Int4Kernel:
         """x [rows, in] bfloat16 times a weight in pack_int8x's layout with `out` rows -> [rows, out]
         bfloat16, each row of x quantized to 8 bits per group of 32 (llama.cpp's numerics;
         sum_half: for a Q4_1 weight, see sums_in_half). Every batch size goes through the kernel.
-        ValueError without AVX512-VNNI."""
+        ValueError when the kernel refuses (also a build without AVX512-VNNI: int8x_supported)."""
         return self._int8x(self.unchecked_linear_int8x, "int4_linear_int8x", x, blocks, out, int(sum_half))
 
     def q8_linear_int8x(self, x: torch.Tensor, blocks: torch.Tensor, out: int) -> torch.Tensor:
@@ -176,8 +170,6 @@ class Int4Kernel:
         return self._int8x(self.unchecked_q8_linear_int8x, "q8_linear_int8x", x, blocks, out)
 
     def _int8x(self, fn, name: str, x: torch.Tensor, blocks: torch.Tensor, out: int, *extra: int) -> torch.Tensor:
-        if not self.int8x_supported:
-            raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
         cols = blocks.shape[1] * GROUP
         _check_rows(x, cols)
         x = x.contiguous()

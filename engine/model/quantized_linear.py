@@ -214,6 +214,11 @@ class KernelInt4Linear(nn.Module):
                                               rows, self.out_features, self.in_features)
 
 
+def _require_int8x(kernel: Int4Kernel) -> None:
+    if not kernel.int8x_supported:
+        raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+
+
 class KernelInt4Int8xLinear(nn.Module):
     """The same int4 weight through the C kernel's int8-activation path: each row of x quantized
     to 8 bits per group of 32, integer dot products (llama.cpp's numerics for Q4 x Q8; about
@@ -221,8 +226,7 @@ class KernelInt4Int8xLinear(nn.Module):
 
     def __init__(self, weight: PackedInt4, kernel: Int4Kernel) -> None:
         super().__init__()
-        if not kernel.int8x_supported:
-            raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+        _require_int8x(kernel)
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel
         self.register_buffer("blocks", pack_int8x(weight))
@@ -294,8 +298,7 @@ class KernelQ8Int8xLinear(nn.Module):
 
     def __init__(self, weight: Q8BlockWeight, kernel: Int4Kernel) -> None:
         super().__init__()
-        if not kernel.int8x_supported:
-            raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+        _require_int8x(kernel)
         self.out_features, self.in_features = weight.codes.shape
         self.kernel = kernel
         self.register_buffer("blocks", pack_q8_int8x(weight.codes, weight.d))
