@@ -20,6 +20,17 @@ Method (printed with the results too):
   pooled over every token; first tokens (a request's first chunk) and later tokens also apart.
 - ITL: gaps between a request's streamed chunks (pdserve bench's definition); tokens per chunk:
   output tokens / chunks (above 1 when the router sent tokens that reached it together in one).
+- The cluster runs in this process's session (its own process group, for stopping it), so the
+  client shares one scheduling group with the cluster. Linux with autogroup scheduling
+  (/proc/sys/kernel/sched_autogroup_enabled = 1, the default on desktop and many VM kernels)
+  shares CPU between sessions first and applies nice only inside one, so with the cluster in a
+  session of its own, the engine's lowered priority (EngineConfig.engine_nice) ranks it below
+  the router but not below this client: on 2 shared cores the client's event loop then stalled
+  for 20-145 ms at a time, holding tokens the router had written in time (up to 73 ms), and
+  those stalls decided the p99. A real client is not on the server's cores at all. The
+  `own-session` setting is `link` with the cluster in a session of its own, as before, to
+  show the difference; every setting reports the client's own loop stalls (a 1 ms sleeper's
+  lateness over 20 ms), the part of the delay that is this machine's, not the path's.
 """
 
 from __future__ import annotations
@@ -51,7 +62,11 @@ from pdserve.ports import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 300.0
-SETTINGS = {"link": [], "grpc": ["--worker-link", "false"], "int8": ["--int4-activations", "int8"]}
+SETTINGS = {"link": [], "grpc": ["--worker-link", "false"], "int8": ["--int4-activations", "int8"], "own-session": []}
+OWN_SESSION = {"own-session"}
+"""Settings whose cluster runs in a session of its own (see the module's docstring)."""
+STALL_S = 0.020
+"""A pause of the client's event loop longer than this counts as a stall."""
 GOAL_P99_MS = 5.0
 
 
@@ -81,8 +96,9 @@ def start_cluster(setting: str, args, log: Path) -> tuple[subprocess.Popen, str]
            args.kv_cache_memory, "--port", str(port), "--grpc-port", str(grpc_port), *SETTINGS[setting]]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    session = {"start_new_session": True} if setting in OWN_SESSION else {"process_group": 0}
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, **session)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -113,7 +129,12 @@ async def measure(base: str, args, tokenizer) -> dict[str, float]:
     warm = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed=1000)
     await run_benchmark(RunSettings(endpoint, max_concurrency=args.concurrency, progress=False), warm)
     requests = random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed=0)
-    run = await run_benchmark(RunSettings(endpoint, max_concurrency=args.concurrency, progress=False), requests)
+    stalls: list[float] = []
+    watch = asyncio.create_task(watch_loop(stalls))
+    try:
+        run = await run_benchmark(RunSettings(endpoint, max_concurrency=args.concurrency, progress=False), requests)
+    finally:
+        watch.cancel()
     m = compute_metrics(run.outputs, run.duration_s)
     ok = [o for o in run.outputs if o.success]
     first = [o.delivery[0] for o in ok if o.delivery]
@@ -124,11 +145,31 @@ async def measure(base: str, args, tokenizer) -> dict[str, float]:
             "first_p50": ms(first, 50), "first_p99": ms(first, 99), "later_p50": ms(later, 50),
             "later_p99": ms(later, 99), "itl_mean": m.stats["itl"].mean, "itl_p99": m.stats["itl"].percentiles[-1][1],
             "tokens_per_chunk": sum(o.output_tokens for o in ok) / max(1, sum(len(o.itl) + 1 for o in ok)),
+            "stalls": float(len(stalls)), "stall_max": 1e3 * max(stalls, default=0.0),
             "failed": float(m.failed)}
 
 
+async def watch_loop(stalls: list[float]) -> None:
+    """Until cancelled: sleep 1 ms at a time on this event loop and record each lateness over
+    STALL_S (seconds the loop could not run: its own work, or no core for this process)."""
+    while True:
+        start = time.perf_counter()
+        await asyncio.sleep(0.001)
+        late = time.perf_counter() - start - 0.001
+        if late > STALL_S:
+            stalls.append(late)
+
+
 HEADERS = ["round", "setting", "delivery p99 ms", "delivery mean ms", "first tokens p50 / p99 ms",
-           "later tokens p50 / p99 ms", "ITL mean / p99 ms", "tokens per chunk", "failed"]
+           "later tokens p50 / p99 ms", "ITL mean / p99 ms", f"client stalls > {STALL_S * 1e3:.0f} ms: count / max ms",
+           "tokens per chunk", "failed"]
+
+
+def autogroup() -> str:
+    try:
+        return {"1": "on", "0": "off"}.get(Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip(), "?")
+    except OSError:
+        return "not present"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 by_setting[setting].append(r)
                 rows.append([k + 1, setting, f"{r['p99']:.2f}", f"{r['mean']:.2f}",
                              f"{r['first_p50']:.1f} / {r['first_p99']:.1f}", f"{r['later_p50']:.2f} / {r['later_p99']:.2f}",
-                             f"{r['itl_mean']:.1f} / {r['itl_p99']:.1f}", f"{r['tokens_per_chunk']:.2f}",
+                             f"{r['itl_mean']:.1f} / {r['itl_p99']:.1f}", f"{int(r['stalls'])} / {r['stall_max']:.0f}",
+                             f"{r['tokens_per_chunk']:.2f}",
                              int(r["failed"])])
                 print(f"  round {k + 1} {setting}: delivery p99 {r['p99']:.2f} ms, ITL mean {r['itl_mean']:.1f} ms",
                       flush=True)
@@ -159,12 +201,16 @@ def main(argv: list[str] | None = None) -> int:
              f"{len(v)} run(s) ({'met' if max(x['p99'] for x in v) <= GOAL_P99_MS else 'NOT MET'} in every run: "
              f"goal <= {GOAL_P99_MS:g} ms)" for s, v in by_setting.items() if v]
     method = [f"pdserve up --prefill 1 --decode 1 --kv-cache-memory {args.kv_cache_memory}, per setting in turn "
-              f"(link: the default; grpc: --worker-link false; int8: --int4-activations int8), {args.rounds} round(s), "
-              "first place alternating",
+              f"(link: the default; grpc: --worker-link false; int8: --int4-activations int8; own-session: link in a "
+              f"session of its own), {args.rounds} round(s), first place alternating",
+              "session: the cluster in the client's session (its own process group), except own-session; kernel "
+              f"autogroup scheduling: {autogroup()}",
               f"load: a warm-up run of the same shape (other prompts), then {args.num_prompts} random prompts of {args.input_len} tokens, "
               f"{args.output_len} tokens each, ignore_eos, greedy, at most {args.concurrency} in flight",
               "delivery delay: a token's arrival at the client minus its sample time on the worker (same host clock), "
-              "pooled over tokens; first tokens = each request's first chunk; ITL = gaps between streamed chunks"]
+              "pooled over tokens; first tokens = each request's first chunk; ITL = gaps between streamed chunks",
+              f"client stalls: the bench client's event loop late by more than {STALL_S * 1e3:.0f} ms (a 1 ms sleeper "
+              "beside the streams, timed run only)"]
     terminal = "\n\n".join(["\n".join(run_header()), text_table(HEADERS, rows), "\n".join(goals), "\n".join(method)])
     print("\n" + terminal)
     if not args.no_results:
