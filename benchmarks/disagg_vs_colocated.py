@@ -24,6 +24,10 @@ Method (printed with the results too):
   --slo-tpot-ms, vLLM's --goodput) over the phase; for the bursts: their TTFT p99.
 - Goals: with bursts, disaggregated ITL p99 <= 1.2x its steady value; goodput with bursts
   disaggregated >= 1.5x colocated.
+- Every process runs in this script's session (a process group each), as `pdserve up`'s
+  children do, so the engines' lowered priority ranks them below the router and the bench
+  clients also where the kernel schedules by autogroup (shares CPU between sessions first).
+  --own-sessions starts each in a session of its own, as the earlier runs in RESULTS.md did.
 """
 
 from __future__ import annotations
@@ -179,11 +183,11 @@ def run_round(procs: Processes, server: Server, load: Load, slo: tuple[float, fl
 
 
 def measure(layout: Layout, load: Load, slo: tuple[float, float], engine_flags: list[str], workdir: Path,
-            repeat: int) -> list[Phases]:
+            repeat: int, own_sessions: bool = False) -> list[Phases]:
     """One setup from start to stop: its own Redis, workers, router and bench processes."""
     from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets
 
-    with EmbeddedRedis() as redis, Processes(workdir) as procs:
+    with EmbeddedRedis() as redis, Processes(workdir, own_sessions=own_sessions) as procs:
         share_cluster_secrets(redis)
         server = start_setup(procs, layout, redis.url, engine_flags)
         return run_setup(procs, server, load, slo, repeat)
@@ -257,7 +261,8 @@ def goal_lines(results: dict[str, list[Phases]]) -> list[str]:
     return lines
 
 
-def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], all_layouts: list[Layout]) -> list[str]:
+def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], all_layouts: list[Layout],
+                 own_sessions: bool = False) -> list[str]:
     setups = "; ".join(f"{lay.name}: " + ", ".join(f"{role} on core(s) {cores} with {threads} thread(s)"
                                                      for role, cores, threads in lay.workers)
                        + (f" (router `{' '.join(lay.router_flags)}`)" if lay.router_flags else "")
@@ -270,6 +275,9 @@ def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], 
         "the short chats; long TTFT = the bursts' own TTFT p99",
         "- load: `pdserve bench " + " ".join(COMMON) + " --base-url URL <stream flags>`; one untimed warm-up "
         "per setup (2 long + 2 short prompts, other seeds)",
+        "- sessions: " + ("each process in a session of its own (--own-sessions)" if own_sessions else
+                          "every process in this script's session, a process group each (the engines' nice ranks them "
+                          "below the router and the clients under autogroup scheduling too)"),
     ]
 
 
@@ -282,6 +290,8 @@ def main() -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--own-sessions", action="store_true",
+                        help="start each process in a session of its own (the layout of the earlier runs)")
     args = parser.parse_args()
     exit_on_sigterm()
     load, slo = (QUICK if args.quick else FULL), (args.slo_ttft_ms, args.slo_tpot_ms)
@@ -297,10 +307,11 @@ def main() -> int:
         all_layouts = [lay for lay in all_layouts if lay.name in wanted]
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
-    results = {lay.name: measure(lay, load, slo, engine_flags, workdir, args.repeat) for lay in all_layouts}
+    results = {lay.name: measure(lay, load, slo, engine_flags, workdir, args.repeat, args.own_sessions)
+               for lay in all_layouts}
 
     headers, table = rows(results)
-    goals, method = goal_lines(results), method_lines(load, slo, engine_flags, all_layouts)
+    goals, method = goal_lines(results), method_lines(load, slo, engine_flags, all_layouts, args.own_sessions)
     print("\n" + text_table(headers, table) + "\n\n" + "\n".join(goals) + "\n\nMethod:\n" + "\n".join(method))
     if args.quick or args.no_results:
         print("\n(quick/no-results run: RESULTS.md left alone)")

@@ -1,8 +1,8 @@
 """Starting the servers under comparison, driving them with `pdserve bench`, stopping them.
 
-Lifecycle of every process started here: started in its own session (so its whole process
-group can be signalled; `pdserve up`'s workers and Redis are in it) with stdout and stderr in a
-log file of the work dir -> ready (a check per kind of server) -> stopped by `Processes.stop`
+Lifecycle of every process started here: started as the leader of its own process group (so
+the whole group can be signalled; `pdserve up`'s workers and Redis are in it) with stdout and
+stderr in a log file of the work dir -> ready (a check per kind of server) -> stopped by `Processes.stop`
 (the signal to the group, SIGKILL to the group after a grace period). `Processes` is a context
 manager whose exit stops everything still running on every path: return, exception, Ctrl-C,
 and SIGTERM once `exit_on_sigterm()` has run.
@@ -49,10 +49,19 @@ class Proc:
 
 
 class Processes:
-    """Owns the processes a benchmark starts; stops them all on exit. Not thread-safe."""
+    """Owns the processes a benchmark starts; stops them all on exit. Not thread-safe.
 
-    def __init__(self, workdir: Path) -> None:
+    own_sessions: each process also leads a session of its own (the default). Where the kernel
+    schedules by autogroup (/proc/sys/kernel/sched_autogroup_enabled = 1), CPU is shared
+    between sessions first and nice counts only inside one, so a pdserve engine's lowered
+    priority (EngineConfig.engine_nice) then does not rank it below the router or the bench
+    clients. False keeps every process in this script's session: what `pdserve up` does with
+    its own children, and what a benchmark that times token streams against pdserve alone
+    wants. A comparison with another server keeps the default, so both stand alike."""
+
+    def __init__(self, workdir: Path, own_sessions: bool = True) -> None:
         self.workdir = workdir
+        self.own_sessions = own_sessions
         self._procs: list[Proc] = []
 
     def start(self, name: str, cmd: Sequence[str], cores: str | None = None,
@@ -60,13 +69,14 @@ class Processes:
         """Start `cmd` (pinned to `cores`, a taskset list like "0" or "0,1", when given).
         Does not block; raises OSError when the program cannot be run."""
         argv = (["taskset", "-c", cores] if cores else []) + list(cmd)
+        session = {"start_new_session": True} if self.own_sessions else {"process_group": 0}
         log = self.workdir / f"{name}.log"
         with log.open("w") as out:
             out.write("$ " + " ".join(argv) + "\n")
             out.flush()
             popen = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **session)
         proc = Proc(name, popen, log)
         self._procs.append(proc)
         return proc
