@@ -137,8 +137,11 @@ class RouterWorkers:
         ready = self._dir / f"router-{index}.ready"
         ready.unlink(missing_ok=True)
         argv = child_argv(self._args, index, *self._ports, ready)
-        # Its own session: a Ctrl-C in the terminal reaches process 0 only, which stops the rest.
-        process = subprocess.Popen(argv, env=self._env, start_new_session=True)
+        # Its own process group: a Ctrl-C in the terminal reaches process 0 only, which stops the
+        # rest. Not its own session: where the kernel schedules by autogroup, CPU is shared between
+        # sessions before nice counts, and the workers' engines (EngineConfig.engine_nice) should
+        # rank below every router process on the host, as they do below process 0.
+        process = subprocess.Popen(argv, env=self._env, process_group=0)
         return _Child(index, ready, process, time.monotonic())
 
     async def start(self, count: int) -> None:

@@ -1,7 +1,7 @@
 """`pdserve router --router-workers 2`: two real router processes share the HTTP port (and the
 gRPC port), both route real completions to workers found in a real Redis (the instant gRPC
-doubles of benchmarks/instant_workers.py), and stopping process 0 stops both — also when it is
-killed outright."""
+doubles of benchmarks/instant_workers.py), process 1 runs in its own process group but process
+0's session, and stopping process 0 stops both — also when it is killed outright."""
 
 from __future__ import annotations
 
@@ -109,6 +109,10 @@ def test_two_router_processes_share_the_port_and_both_route_completions(cluster)
     try:
         children = _children(process.pid)
         assert len(children) == 1, children
+        # Its own process group (a terminal's Ctrl-C reaches process 0 only), process 0's session
+        # (under autogroup scheduling the engines' nice then ranks them below it too).
+        assert os.getpgid(children[0]) == children[0] != os.getpgid(process.pid)
+        assert os.getsid(children[0]) == os.getsid(process.pid)
         deadline, answered = time.monotonic() + 60, {}
         while set(answered) != {"0", "1"} and time.monotonic() < deadline:
             response = completion(http_port)
