@@ -22,6 +22,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
@@ -33,6 +35,19 @@ from benchmarks.common import median_decode_step_ms, report_tables  # noqa: E402
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 """(out, in) of SmolLM2-135M's fused q|k|v, o, fused gate|up and down."""
+
+
+def median_ms(calls: dict[str, Callable[[], object]], repeat: int) -> list[float]:
+    """Each call's median time in ms over `repeat` rounds, in the dict's order; the calls take
+    turns within a round, and a first round warms them up."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(repeat + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if r:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(times[name]) for name in calls]
 
 
 def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int) -> list[list[object]]:
@@ -58,18 +73,15 @@ def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int
         torch.set_num_threads(n)
         for batch in batches:
             xs = {cols: torch.randn(batch, cols, generator=gen).to(torch.bfloat16) for cols in (576, 1536)}
-            times: dict[str, list[float]] = {name: [] for name in modules}
-            for r in range(repeat + 1):  # the first round warms up
-                for name, mods in modules.items():
-                    start = time.perf_counter()
-                    for m in mods:
-                        m(xs[m.in_features])
-                    if r:
-                        times[name].append((time.perf_counter() - start) * 1e3)
-            c, i, t, d = (statistics.median(times[k]) for k in ("C kernel", "C int8 act", "torch int4", "dense bf16"))
+            c, i, t, d = median_ms({name: partial(_call_all, mods, xs) for name, mods in modules.items()}, repeat)
             rows.append([n, batch, f"{c:.2f}", f"{i:.2f}", f"{t:.2f}", f"{d:.2f}", f"{c / t:.2f}x", f"{c / d:.2f}x",
                          f"{c / i:.2f}x"])
     return rows
+
+
+def _call_all(mods: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> None:
+    for m in mods:
+        m(xs[m.in_features])
 
 
 HEAD = (49152, 576)
@@ -94,14 +106,7 @@ def head_rows(batches: list[int], repeat: int) -> list[list[object]]:
     rows = []
     for batch in batches:
         x = torch.randn(batch, cols, generator=gen).to(torch.bfloat16)
-        times = {name: [] for name in heads}
-        for r in range(repeat + 1):
-            for name, head in heads.items():
-                start = time.perf_counter()
-                head(x)
-                if r:
-                    times[name].append((time.perf_counter() - start) * 1e3)
-        q, i, d = (statistics.median(times[k]) for k in heads)
+        q, i, d = median_ms({name: partial(head, x) for name, head in heads.items()}, repeat)
         rows.append([batch, f"{q:.2f}", f"{i:.2f}", f"{d:.2f}", f"{q / i:.2f}x", f"{d / i:.2f}x"])
     return rows
 

@@ -51,7 +51,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, run_header, text_table  # noqa: E402
-from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm, session_kwargs  # noqa: E402
 from pdserve.bench.client import Endpoint  # noqa: E402
 from pdserve.bench.datasets import random_requests  # noqa: E402
 from pdserve.bench.main import TOKEN_TIMES  # noqa: E402
@@ -96,9 +96,8 @@ def start_cluster(setting: str, args, log: Path) -> tuple[subprocess.Popen, str]
            args.kv_cache_memory, "--port", str(port), "--grpc-port", str(grpc_port), *SETTINGS[setting]]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
-    session = {"start_new_session": True} if setting in OWN_SESSION else {"process_group": 0}
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, **session)
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, **session_kwargs(setting in OWN_SESSION))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

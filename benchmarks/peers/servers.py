@@ -48,6 +48,13 @@ class Proc:
             return ""
 
 
+def session_kwargs(own_session: bool) -> dict[str, object]:
+    """subprocess.Popen keywords: the child leads a process group of its own (stoppable as a
+    group, out of reach of a terminal's Ctrl-C), and with own_session a session of its own too
+    (see Processes)."""
+    return {"start_new_session": True} if own_session else {"process_group": 0}
+
+
 class Processes:
     """Owns the processes a benchmark starts; stops them all on exit. Not thread-safe.
 
@@ -69,14 +76,13 @@ class Processes:
         """Start `cmd` (pinned to `cores`, a taskset list like "0" or "0,1", when given).
         Does not block; raises OSError when the program cannot be run."""
         argv = (["taskset", "-c", cores] if cores else []) + list(cmd)
-        session = {"start_new_session": True} if self.own_sessions else {"process_group": 0}
         log = self.workdir / f"{name}.log"
         with log.open("w") as out:
             out.write("$ " + " ".join(argv) + "\n")
             out.flush()
             popen = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **session)
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **session_kwargs(self.own_sessions))
         proc = Proc(name, popen, log)
         self._procs.append(proc)
         return proc
