@@ -368,6 +368,9 @@ class KVTransferBackend(ABC):
     RuntimeError where it cannot run (nccl without CUDA)."""
 
     name: str
+    on_engine_device = False
+    """True: the channel's buffers live on the engine's GPU, so a worker sets
+    TransferConfig.device to its engine's device (nccl, cuda_ipc). False: host memory."""
 
     def __init__(self, config: TransferConfig = TransferConfig()) -> None:
         self.config = config

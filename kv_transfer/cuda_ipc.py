@@ -112,6 +112,7 @@ def _wait_key(store: Any, key: str, timeout_s: float) -> bytes:
 
 class CudaIpcBackend(KVTransferBackend):
     name = "cuda_ipc"
+    on_engine_device = True
 
     def __init__(self, config: TransferConfig = TransferConfig(device="cuda:0"),
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:

@@ -19,6 +19,8 @@ class GlooBackend(TorchDistBackend):
         options._timeout = seconds(self.config.connect_timeout_s)
         return ProcessGroupGloo(store, rank, 2, options)
 
-    def check_device(self, payload: torch.Tensor) -> None:
-        if payload.device.type != "cpu":
-            raise ValueError(f"the gloo backend sends CPU tensors, got one on {payload.device}")
+    def to_wire(self, payload: torch.Tensor) -> torch.Tensor:
+        # gloo sends host memory: a GPU engine's KV is staged there (a blocking copy, on the
+        # channel's thread for a layer stream, on the caller's for a one-shot send), and D's
+        # unpack copies it onto its own device.
+        return payload if payload.device.type == "cpu" else payload.to("cpu")

@@ -1,7 +1,9 @@
 """nccl backend: CUDA tensors over NCCL, one ProcessGroupNCCL per P<->D channel.
 
-The same path as gloo (torch_dist); only the group and the device differ. Not exercised
-without a GPU: constructing it there raises RuntimeError at once.
+The same path as gloo (torch_dist); only the group and the device differ. Constructing it
+without a GPU raises RuntimeError at once. NCCL takes one rank per device: a prefill and a
+decode worker on the same GPU cannot form a channel (ncclInvalidUsage, seen on an H100 with
+benchmarks/gpu_check.py), so each needs a GPU of its own; cuda_ipc is the one-GPU backend.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kv_transfer.wire import seconds
 
 class NcclBackend(TorchDistBackend):
     name = "nccl"
+    on_engine_device = True
 
     def __init__(self, config: TransferConfig = TransferConfig(device="cuda:0")) -> None:
         if not torch.cuda.is_available() or not dist.is_nccl_available():
@@ -33,9 +36,10 @@ class NcclBackend(TorchDistBackend):
         options._timeout = seconds(self.config.connect_timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, options)
 
-    def check_device(self, payload: torch.Tensor) -> None:
+    def to_wire(self, payload: torch.Tensor) -> torch.Tensor:
         if payload.device.type != "cuda":
             raise ValueError(f"the nccl backend sends CUDA tensors, got one on {payload.device}")
+        return payload
 
     def prepare_thread(self) -> None:
         torch.cuda.set_device(torch.device(self.config.device))

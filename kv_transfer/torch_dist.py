@@ -39,8 +39,9 @@ class TorchDistBackend(KVTransferBackend):
         connect_timeout_s passed (then raises RuntimeError). Called on the channel's thread."""
 
     @abstractmethod
-    def check_device(self, payload: torch.Tensor) -> None:
-        """Raises ValueError when this backend cannot send a tensor on payload.device."""
+    def to_wire(self, payload: torch.Tensor) -> torch.Tensor:
+        """`payload` as this backend sends it (gloo: in host memory, copied there from a GPU);
+        raises ValueError when it cannot send from payload.device at all."""
 
     def prepare_thread(self) -> None:
         """Called first on every channel thread (NCCL: select the device)."""

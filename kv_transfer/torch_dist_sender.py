@@ -64,8 +64,7 @@ class TorchDistSender(KVSender):
         if self._closing:
             raise RuntimeError(f"sender to {self._where()} is closed")
         check_payload(header, payload)
-        self._backend.check_device(payload)
-        self._enqueue(header, payload)
+        self._enqueue(header, self._backend.to_wire(payload))
 
     streams_layers = True
 
@@ -209,6 +208,7 @@ class TorchDistSender(KVSender):
                     cancelled = str(e)
             if cancelled is not None:
                 kv = torch.zeros(header.payload_shape[1:], dtype=TORCH_DTYPES[header.dtype], device=device)
+            kv = self._backend.to_wire(kv)
             posted.append((group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD), kv))
         return posted, cancelled
 

@@ -30,10 +30,22 @@ if TYPE_CHECKING:  # the spec is pdserve's; the runtime only reads its fields
 __all__ = ["DECODE", "PREFILL", "build_decode", "build_prefill", "open_channel_via_grpc"]
 
 
-def transfer_config(spec: WorkerSpec, secret: bytes) -> TransferConfig:
+def transfer_config(spec: WorkerSpec, secret: bytes, core: EngineCore) -> TransferConfig:
     """The data channel binds and advertises the advertised host (gloo tells its peer the
-    address it bound), so a worker bound to 0.0.0.0 still gives peers a dialable one."""
-    return TransferConfig(host=spec.advertised_host, timeout_s=spec.transfer_timeout_s, secret=secret)
+    address it bound), so a worker bound to 0.0.0.0 still gives peers a dialable one. A GPU
+    backend's buffers are on the engine's device; the others' in host memory."""
+    on_gpu = KV_TRANSFER_BACKENDS.get(spec.kv_transfer).on_engine_device
+    return TransferConfig(host=spec.advertised_host, timeout_s=spec.transfer_timeout_s, secret=secret,
+                          device=_indexed(core.device) if on_gpu else "cpu")
+
+
+def _indexed(device) -> str:
+    """"cuda" as "cuda:N" (the current device): the backends select it on their own threads."""
+    if device.type == "cuda" and device.index is None:
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
 
 
 async def open_channel_via_grpc(decode_address: str, prefill_id: str, incarnation: str,
@@ -51,8 +63,8 @@ async def open_channel_via_grpc(decode_address: str, prefill_id: str, incarnatio
 
 
 def build_decode(spec: WorkerSpec, secret: bytes) -> DecodeWorker:
-    transfer = transfer_config(spec, secret)
     core = EngineCore(spec.engine)
+    transfer = transfer_config(spec, secret, core)
     # Idle receive buffers kept for reuse never outgrow the KV cache they are unpacked into.
     kv_bytes = core.capacity.num_blocks * core.capacity.bytes_per_block
     transfer = replace(transfer, recv_buffer_pool_bytes=min(transfer.recv_buffer_pool_bytes, kv_bytes))
@@ -61,8 +73,8 @@ def build_decode(spec: WorkerSpec, secret: bytes) -> DecodeWorker:
 
 
 def build_prefill(spec: WorkerSpec, secret: bytes) -> PrefillWorker:
-    transfer = transfer_config(spec, secret)
     core = EngineCore(spec.engine.for_prefill_worker(), hold_finished_blocks=True)
+    transfer = transfer_config(spec, secret, core)
     worker: PrefillWorker | None = None
 
     async def opener(address: str) -> ChannelAddress:
