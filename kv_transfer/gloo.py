@@ -19,8 +19,7 @@ class GlooBackend(TorchDistBackend):
         options._timeout = seconds(self.config.connect_timeout_s)
         return ProcessGroupGloo(store, rank, 2, options)
 
-    def to_wire(self, payload: torch.Tensor) -> torch.Tensor:
-        # gloo sends host memory: a GPU engine's KV is staged there (a blocking copy, on the
-        # channel's thread for a layer stream, on the caller's for a one-shot send), and D's
-        # unpack copies it onto its own device.
-        return payload if payload.device.type == "cpu" else payload.to("cpu")
+    def wire_device(self, device: torch.device) -> torch.device:
+        # gloo sends host memory: a GPU engine's KV is staged there, and D's unpack copies it
+        # onto its own device.
+        return torch.device("cpu")

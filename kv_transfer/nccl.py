@@ -36,10 +36,10 @@ class NcclBackend(TorchDistBackend):
         options._timeout = seconds(self.config.connect_timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, options)
 
-    def to_wire(self, payload: torch.Tensor) -> torch.Tensor:
-        if payload.device.type != "cuda":
-            raise ValueError(f"the nccl backend sends CUDA tensors, got one on {payload.device}")
-        return payload
+    def wire_device(self, device: torch.device) -> torch.device:
+        if device.type != "cuda":
+            raise ValueError(f"the nccl backend sends CUDA tensors, got one on {device}")
+        return device
 
     def prepare_thread(self) -> None:
         torch.cuda.set_device(torch.device(self.config.device))

@@ -39,9 +39,9 @@ class TorchDistBackend(KVTransferBackend):
         connect_timeout_s passed (then raises RuntimeError). Called on the channel's thread."""
 
     @abstractmethod
-    def to_wire(self, payload: torch.Tensor) -> torch.Tensor:
-        """`payload` as this backend sends it (gloo: in host memory, copied there from a GPU);
-        raises ValueError when it cannot send from payload.device at all."""
+    def wire_device(self, device: torch.device) -> torch.device:
+        """Where this backend sends a tensor on `device` from (gloo: host memory, a GPU's KV is
+        copied there on the channel's thread); raises ValueError when it cannot send it."""
 
     def prepare_thread(self) -> None:
         """Called first on every channel thread (NCCL: select the device)."""

@@ -64,7 +64,8 @@ class TorchDistSender(KVSender):
         if self._closing:
             raise RuntimeError(f"sender to {self._where()} is closed")
         check_payload(header, payload)
-        self._enqueue(header, self._backend.to_wire(payload))
+        self._backend.wire_device(payload.device)  # raises where this backend cannot send it
+        self._enqueue(header, payload)
 
     streams_layers = True
 
@@ -152,7 +153,8 @@ class TorchDistSender(KVSender):
         then timeout_s for the rest of the wire once every byte exists."""
         started = wire.Deadline(self._config.timeout_s)
         nbytes = header.payload_nbytes
-        device = source.device if isinstance(source, torch.Tensor) else torch.device(self._config.device)
+        device = self._backend.wire_device(
+            source.device if isinstance(source, torch.Tensor) else torch.device(self._config.device))
         cancelled, idle = None, _Idle(self._config.timeout_s)
         try:
             store.set(wire.ring_key(seq), wire.XFER)
@@ -208,7 +210,7 @@ class TorchDistSender(KVSender):
                     cancelled = str(e)
             if cancelled is not None:
                 kv = torch.zeros(header.payload_shape[1:], dtype=TORCH_DTYPES[header.dtype], device=device)
-            kv = self._backend.to_wire(kv)
+            kv = kv.to(device)  # a copy only where the wire is elsewhere (gloo from a GPU)
             posted.append((group.send([kv], wire.RANK_D, wire.TAG_PAYLOAD), kv))
         return posted, cancelled
 

@@ -42,16 +42,18 @@ def test_a_cpu_engine_keeps_host_memory_for_every_backend():
         assert transfer_config(_spec(backend), b"s" * 32, core).device == "cpu"
 
 
-def test_gloo_sends_host_tensors_as_they_are():
+def test_gloo_sends_from_host_memory_whatever_the_engines_device():
     from kv_transfer.base import TransferConfig
     from kv_transfer.gloo import GlooBackend
 
-    payload = torch.arange(12, dtype=torch.float32).view(3, 4)
-    assert GlooBackend(TransferConfig(secret=b"s" * 32)).to_wire(payload) is payload
+    backend = GlooBackend(TransferConfig(secret=b"s" * 32))
+    for device in ("cpu", "cuda:0", "cuda:3"):
+        assert backend.wire_device(torch.device(device)) == torch.device("cpu")
 
 
 def test_nccl_refuses_a_host_tensor_with_the_reason():
     from kv_transfer.nccl import NcclBackend
 
     with pytest.raises(ValueError, match="the nccl backend sends CUDA tensors, got one on cpu"):
-        NcclBackend.to_wire(None, torch.zeros(2))  # the check reads nothing of the backend
+        NcclBackend.wire_device(None, torch.device("cpu"))  # the check reads nothing of the backend
+    assert NcclBackend.wire_device(None, torch.device("cuda:1")) == torch.device("cuda:1")
