@@ -15,8 +15,15 @@ is recorded and the next one runs):
 - engine: the engine in-process on cuda, 30 prompts (the exactness tests' prompts) x 48 greedy
   tokens (ignore_eos) in one batch: kernels on against the torch path (engine.model.attention
   with the kernels off), float32 (identical?) and bfloat16 (first divergence per prompt).
-- cluster-<backend>: `pdserve up --prefill 1 --decode 1 --device cuda --dtype float32
-  --kv-transfer <backend>`, the 30 prompts at once over HTTP; tokens against the engine's.
+- engine also runs HF transformers generate on the same weights in float32 (the independent
+  reference) and compares the bfloat16 torch path with the float32 one (bfloat16's own
+  divergence, the yardstick for the kernels').
+- cluster-<backend> (cuda_ipc, gloo; nccl by name only: `pdserve up` refuses it, its local
+  workers share one GPU): `pdserve up --prefill 1 --decode 1 --device cuda --dtype float32
+  --kv-transfer <backend>`, the 30 prompts at once over HTTP; tokens against the engine's
+  (run engine first), the path each took, and both KV pools empty afterwards.
+- ipc-bandwidth: cuda_ipc between this process and a sender process (payloads of 64 MiB to
+  1 GiB) against the device's own copy.
 - throughput: decode tokens/s at batch 1, 32 and 128 (32-token prompts, 128 new tokens),
   pdserve's engine against HF transformers generate, same weights, bfloat16, one after the other.
 
@@ -441,7 +448,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--inputs", type=Path, default=ROOT / ".gpu")
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--stages", default="kernels,engine,cluster-cuda_ipc,throughput,cluster-nccl")
+    r.add_argument("--stages", default="kernels,engine,cluster-cuda_ipc,cluster-gloo,ipc-bandwidth,throughput")
     r.add_argument("--blocks", type=int, default=4096, help="KV blocks per engine")
     r.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     r.add_argument("--num-prompts", type=int, default=30)

@@ -225,8 +225,18 @@ def cmd_up(args, parser) -> int:
     _check_key_files()
     if args.launcher == "ray":  # the workers load on the nodes Ray picks (their devices, their model files)
         return run_up(args, ray_cluster_class(parser, args))
+    if args.kv_transfer == "nccl":
+        parser.exit(2, f"pdserve up: {LOCAL_NCCL}\n")
     _check_engine(config, parser, "pdserve up")
     return run_up(args)
+
+
+LOCAL_NCCL = (
+    "--kv-transfer nccl needs a GPU per worker (NCCL takes one rank per device), and local workers "
+    "all start on the same GPU, the first one visible: use --kv-transfer cuda_ipc for workers "
+    "sharing a GPU, or --launcher ray / Kubernetes, where each worker has GPUs of its own")
+"""Measured on an H100 (benchmarks/gpu_check.py): two workers on one GPU never form an NCCL
+channel (ncclInvalidUsage), and every request falls back to the decode worker prefilling it."""
 
 
 def ray_cluster_class(parser: argparse.ArgumentParser, args: argparse.Namespace):

@@ -116,6 +116,17 @@ def test_up_refuses_an_unknown_kv_transfer_backend_before_starting_workers():
                                               "(choose from 'cuda_ipc', 'gloo', 'local', 'nccl')")
 
 
+def test_up_refuses_nccl_between_local_workers_that_would_share_one_gpu():
+    result, seconds = run_pdserve("up", "--kv-transfer", "nccl", "--port", str(free_port()),
+                                  "--grpc-port", str(free_port()))
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "pdserve up: --kv-transfer nccl needs a GPU per worker (NCCL takes one rank per device), "
+        "and local workers all start on the same GPU, the first one visible: use --kv-transfer cuda_ipc "
+        "for workers sharing a GPU, or --launcher ray / Kubernetes, where each worker has GPUs of its own")
+    assert seconds < 10
+
+
 def test_up_refuses_an_api_key_file_it_cannot_read_before_starting_anything(tmp_path, monkeypatch):
     missing = tmp_path / "api.key"
     monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(missing))
