@@ -28,8 +28,10 @@ is recorded and the next one runs):
   pdserve's engine against HF transformers generate, same weights, bfloat16, one after the other.
 
 The model: SmolLM2-135M-Instruct's shape (30 layers, 576 wide, 9 heads over 3 KV heads, tied
-embeddings) with seeded random weights; the real GGUF does not fit the GPU machine's upload.
-Its tokens are noise, but they are the same noise on every path, which is what is compared.
+embeddings) with seeded random weights, written where it runs (no 98 MB GGUF to copy). Its
+tokens are noise, but they are the same noise on every path, which is what is compared; in
+bfloat16 its flat logits make near-ties common. `--model PATH` checks a GGUF file or HF folder
+instead, e.g. the real default GGUF where it can be copied to the GPU machine.
 """
 
 from __future__ import annotations
@@ -119,6 +121,16 @@ def write_model(folder: Path, tokenizer: Path, seed: int = 0) -> Path:
 
 # -- stages --------------------------------------------------------------------------------------
 
+def hf_model(model: Path, dtype):
+    """HF transformers' model of the same weights: an HF folder, or a GGUF file (transformers
+    dequantizes it itself)."""
+    from transformers import AutoModelForCausalLM
+
+    if model.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+
+
 def stage_kernels(args, results: dict) -> None:
     log = args.out / "kernels.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--timeout=150", "tests/gpu",
@@ -186,9 +198,8 @@ def stage_engine(args, results: dict) -> None:
 def _hf_tokens(args) -> list[list[int]]:
     """HF transformers' greedy generate on the same weights, float32, one prompt at a time."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).to(args.device).eval()
+    hf = hf_model(args.model, torch.float32).to(args.device).eval()
     tokens = []
     with torch.inference_mode():
         for ids in args.prompts:
@@ -280,9 +291,7 @@ def stage_throughput(args, results: dict) -> None:
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.bfloat16).to(args.device).eval()
+    hf = hf_model(args.model, torch.bfloat16).to(args.device).eval()
     with torch.inference_mode():
         hf.generate(torch.tensor(prompts[:4], device=args.device), max_new_tokens=8, do_sample=False,
                     pad_token_id=0)
@@ -421,7 +430,7 @@ def run(args) -> int:
     if unknown:
         raise SystemExit(f"unknown stage(s) {unknown}; known: {', '.join(stages)}")
     with tempfile.TemporaryDirectory(prefix="smollm2-shaped-") as tmp:  # 540 MB of weights
-        args.model = write_model(Path(tmp) / "smollm2-random", args.inputs / "tokenizer")
+        args.model = args.model or write_model(Path(tmp) / "smollm2-random", args.inputs / "tokenizer")
         for name in args.stages.split(","):
             t0 = time.monotonic()
             print(f"== {name}", flush=True)
@@ -451,6 +460,9 @@ def main() -> int:
     r.add_argument("--stages", default="kernels,engine,cluster-cuda_ipc,cluster-gloo,ipc-bandwidth,throughput")
     r.add_argument("--blocks", type=int, default=4096, help="KV blocks per engine")
     r.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    r.add_argument("--model", type=Path, default=None,
+                   help="a GGUF file or HF folder to check instead of the random SmolLM2-shaped one "
+                        "(e.g. the real default GGUF, where it can be copied to the GPU machine)")
     r.add_argument("--num-prompts", type=int, default=30)
     r.add_argument("--engine-dtypes", type=lambda v: v.split(","), default=["float32", "bfloat16"])
     r.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32, 128])
