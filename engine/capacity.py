@@ -119,6 +119,19 @@ def kv_budget(
     )
 
 
+def check_budget_fits_free(budget: KVBudget, free: int, device: str) -> None:
+    """On a GPU the share is of the whole memory (vLLM's meaning), so what others hold is not
+    counted: a budget beyond the memory free now (the weights already loaded) ends the start
+    here, with the numbers, instead of an out-of-memory error while allocating the cache (two
+    workers of one `pdserve up` share a GPU; the launcher splits the default share between them)."""
+    if budget.num_bytes is not None and budget.num_bytes > free:
+        raise ValueError(
+            f"the KV cache budget ({format_bytes(budget.num_bytes)} = {budget.source}) is more than the "
+            f"{format_bytes(free)} free on {device}: other processes hold the rest; lower "
+            "--gpu-memory-utilization (its share is of the whole GPU, and workers sharing a GPU need "
+            "shares that add up to at most ~0.9), or set --kv-cache-memory")
+
+
 def format_bytes(n: int) -> str:
     """Binary units with one decimal: 1536 -> '1.5 KiB', 3 * 2**30 -> '3.0 GiB'."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

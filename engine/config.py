@@ -50,7 +50,8 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block."""
     gpu_memory_utilization: float | None = None
-    """Share of device memory (on CPU: of available memory) for weights + KV cache.
+    """Share of the whole GPU's memory (on CPU: of available memory) for weights + KV cache; a
+    GPU budget beyond the memory free at start is refused (engine.capacity.check_budget_fits_free).
     None: 0.9 on GPU; on CPU the fixed `kv_cache_memory` default applies instead."""
     kv_cache_memory: int | None = None
     """KV cache budget in bytes; overrides gpu_memory_utilization. CPU default: 2 GiB."""

@@ -24,12 +24,15 @@ from pathlib import Path
 
 import torch
 
-from engine.capacity import KVCapacity, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes
+from engine.capacity import (
+    KVCapacity, check_budget_fits_free, kv_budget, plan_capacity, resolve_max_model_len, weights_bytes,
+)
 from engine.config import EngineConfig
 from engine.cpu_kernels import PagedDecodeKernel, load_decode_kernel, unsupported
 from engine.cpu_kernels.rms_norm import load_rms_norm_kernel
 from engine.device import (
     StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
+    total_memory_bytes,
 )
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
@@ -201,10 +204,14 @@ class EngineCore:
         """engine.capacity.kv_budget, the rule `pdserve plan` uses too."""
         counted = bytes_method(self.quantization, self.model_path)
         weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."), counted, self.head)
-        # The weights are already resident: the memory before them = available now + weights.
-        return kv_budget(
-            self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights
-        ).num_bytes
+        if self.device.type != "cuda":
+            # The weights are already resident: the memory before them = available now + weights.
+            return kv_budget(
+                self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights
+            ).num_bytes
+        budget = kv_budget(self.config, "cuda", weights, lambda: total_memory_bytes(self.device))
+        check_budget_fits_free(budget, available_memory_bytes(self.device), str(self.device))
+        return budget.num_bytes
 
     # ------------------------------------------------------------------ loop
     def add_request(self, request: Request) -> None:

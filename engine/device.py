@@ -92,6 +92,12 @@ class StepThreads:
         return cls(full=threads, small=min(threads, decode_threads or 1))
 
 
+def total_memory_bytes(device: torch.device) -> int:
+    """A GPU's whole memory (what --gpu-memory-utilization is a share of there, as in vLLM)."""
+    _free, total = torch.cuda.mem_get_info(device)
+    return total
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Memory the process could still use: free device memory on GPU, MemAvailable on CPU."""
     if device.type == "cuda":

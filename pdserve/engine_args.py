@@ -43,8 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of device memory (CPU: of available memory) for weights + KV cache "
-                        "(unset: 0.9 on GPU; on CPU --kv-cache-memory decides)")
+                   help="share of the whole GPU's memory (CPU: of available memory) for weights + KV "
+                        "cache (unset: 0.9 on GPU, divided among the workers `pdserve up` starts on it; "
+                        "on CPU --kv-cache-memory decides)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2GiB (CPU default: 2GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,

@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from pdserve.launchers.child import ChildProcess, describe_exit
 from pdserve.launchers.scale_store import ScaleStore
 from pdserve.launchers.secrets import API_KEY_WARNING, secrets_env
@@ -168,8 +169,20 @@ class LocalCluster:
         """Engine threads of one worker of `role`."""
         return self.threads_per_worker()
 
+    def gpu_share_of(self, role: str) -> float | None:
+        """--gpu-memory-utilization of one worker of `role`: as given, else on a GPU the default
+        share divided among the workers this starts with, since they all start on the same GPU
+        (the first visible one) and each share is of the whole GPU. None (the engine's default)
+        off GPUs and where --kv-cache-memory or --num-gpu-blocks-override sizes the cache."""
+        a = self.args
+        if a.gpu_memory_utilization is not None or a.kv_cache_memory is not None \
+                or a.num_gpu_blocks_override is not None or not workers_on_gpu(a.device):
+            return a.gpu_memory_utilization
+        return round(DEFAULT_GPU_MEMORY_UTILIZATION / max(sum(self.initial_counts().values()), 1), 4)
+
     def _worker_spec(self, role: str, worker_id: str) -> WorkerSpec:
-        engine = dataclasses.replace(engine_config_from(self.args), num_threads=self.threads_of(role))
+        engine = dataclasses.replace(engine_config_from(self.args), num_threads=self.threads_of(role),
+                                     gpu_memory_utilization=self.gpu_share_of(role))
         # All on this machine: a worker bound to every address is dialled over loopback.
         advertise = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else None
         return WorkerSpec(role=role, engine=engine, worker_id=worker_id, host=self.args.host,  # type: ignore[arg-type]
@@ -269,6 +282,15 @@ class LocalCluster:
         """Lines about where it runs, for the start banner."""
         return f"redis {redact_url(self.redis_url)}; Ctrl-C drains and stops everything."
 
+
+
+def workers_on_gpu(device: str) -> bool:
+    """Whether workers started here with --device `device` run on a GPU (auto: when torch sees one)."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def busy_port(args: argparse.Namespace) -> str | None:

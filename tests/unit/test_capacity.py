@@ -210,3 +210,20 @@ def test_kv_dtype_auto_follows_the_model_dtype():
 )
 def test_format_bytes_in_binary_units(n, text):
     assert format_bytes(n) == text
+
+
+def test_a_gpu_budget_beyond_the_free_memory_is_refused_with_the_numbers():
+    """On a GPU the share is of the whole memory (vLLM's meaning, and `pdserve plan`'s): a budget
+    that others' memory makes impossible ends the start with a message, not an OOM later."""
+    from engine.capacity import check_budget_fits_free
+
+    weights = 256 * MiB
+    budget = kv_budget(EngineConfig(), "cuda", weights, lambda: 80 * GiB)
+    check_budget_fits_free(budget, 72 * GiB, "cuda:0")  # fits: nothing raised
+    with pytest.raises(ValueError) as info:
+        check_budget_fits_free(budget, 30 * GiB, "cuda:0")
+    assert str(info.value) == (
+        "the KV cache budget (71.8 GiB = 0.9 x 80.0 GiB - 256.0 MiB weights) is more than the 30.0 GiB free "
+        "on cuda:0: other processes hold the rest; lower --gpu-memory-utilization (its share is of the whole "
+        "GPU, and workers sharing a GPU need shares that add up to at most ~0.9), or set --kv-cache-memory")
+    check_budget_fits_free(KVBudget(None, "--num-gpu-blocks-override"), 0, "cuda:0")  # a block count: unchecked

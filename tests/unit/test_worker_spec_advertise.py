@@ -59,3 +59,26 @@ def test_pdserve_up_workers_bound_to_all_addresses_advertise_loopback(host, adve
         assert cluster._worker_spec("decode", "decode-0").advertised_host == advertised
     finally:
         shutil.rmtree(cluster.workdir)
+
+
+@pytest.mark.parametrize("argv,share", [
+    (["--device", "cuda"], 0.45),  # 1 prefill + 1 decode on the one GPU: 0.9 split in two
+    (["--device", "cuda", "--prefill", "2", "--decode", "1"], 0.3),
+    (["--device", "cuda", "--gpu-memory-utilization", "0.2"], 0.2),  # as given
+    (["--device", "cuda", "--kv-cache-memory", "4GiB"], None),  # sized another way
+    (["--device", "cuda", "--num-gpu-blocks-override", "512"], None),
+    (["--device", "cpu"], None),  # the CPU default (2 GiB per engine) stands
+])
+def test_pdserve_up_splits_the_default_gpu_share_among_the_workers_it_starts(argv, share):
+    """Local workers all start on the same GPU, and each share is of the whole GPU: two workers
+    each taking the default 0.9 would not fit (the second's allocation would fail)."""
+    import shutil
+
+    from pdserve.launchers.local import LocalCluster
+
+    cluster = LocalCluster(build_parser().parse_args(["up", *argv]))
+    try:
+        for role in ("prefill", "decode"):
+            assert cluster._worker_spec(role, f"{role}-0").engine.gpu_memory_utilization == share
+    finally:
+        shutil.rmtree(cluster.workdir)

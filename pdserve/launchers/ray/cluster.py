@@ -149,6 +149,9 @@ class RayCluster(LocalCluster):
     def threads_of(self, role: str) -> int:
         return self.args.num_threads or self.placements[role].threads()
 
+    def gpu_share_of(self, role: str) -> float | None:
+        return self.args.gpu_memory_utilization  # each actor has GPUs of its own (num_gpus)
+
     def _launch(self, spec: WorkerSpec) -> ActorProcess:
         name = spec.worker_id or spec.role
         spec = replace(spec, ready_file=None)  # actors report readiness through wait_ready()
