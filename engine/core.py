@@ -31,8 +31,8 @@ from engine.config import EngineConfig
 from engine.cpu_kernels import PagedDecodeKernel, load_decode_kernel, unsupported
 from engine.cpu_kernels.rms_norm import load_rms_norm_kernel
 from engine.device import (
-    StepThreads, available_memory_bytes, resolve_device, resolve_dtype, resolve_kv_dtype, set_num_threads,
-    total_memory_bytes,
+    StepThreads, available_memory_bytes, memory_for_share, resolve_device, resolve_dtype, resolve_kv_dtype,
+    set_num_threads,
 )
 from engine.kv_cache.block_pool import BlockEvents
 from engine.kv_cache.hashing import BlockHash
@@ -204,13 +204,9 @@ class EngineCore:
         """engine.capacity.kv_budget, the rule `pdserve plan` uses too."""
         counted = bytes_method(self.quantization, self.model_path)
         weights = weights_bytes(self.spec, str(self.dtype).removeprefix("torch."), counted, self.head)
-        if self.device.type != "cuda":
-            # The weights are already resident: the memory before them = available now + weights.
-            return kv_budget(
-                self.config, self.device.type, weights, lambda: available_memory_bytes(self.device) + weights
-            ).num_bytes
-        budget = kv_budget(self.config, "cuda", weights, lambda: total_memory_bytes(self.device))
-        check_budget_fits_free(budget, available_memory_bytes(self.device), str(self.device))
+        budget = kv_budget(self.config, self.device.type, weights, lambda: memory_for_share(self.device, weights))
+        if self.device.type == "cuda":  # a share of the whole GPU: others may hold part of it
+            check_budget_fits_free(budget, available_memory_bytes(self.device), str(self.device))
         return budget.num_bytes
 
     # ------------------------------------------------------------------ loop

@@ -92,10 +92,13 @@ class StepThreads:
         return cls(full=threads, small=min(threads, decode_threads or 1))
 
 
-def total_memory_bytes(device: torch.device) -> int:
-    """A GPU's whole memory (what --gpu-memory-utilization is a share of there, as in vLLM)."""
-    _free, total = torch.cuda.mem_get_info(device)
-    return total
+def memory_for_share(device: torch.device, weights: int) -> int:
+    """What --gpu-memory-utilization is a share of, read with the weights already loaded: a GPU's
+    whole memory (vLLM's meaning); on CPU the memory there was before the weights."""
+    if device.type == "cuda":
+        _free, total = torch.cuda.mem_get_info(device)
+        return total
+    return available_memory_bytes(device) + weights
 
 
 def available_memory_bytes(device: torch.device) -> int:

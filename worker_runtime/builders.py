@@ -36,16 +36,7 @@ def transfer_config(spec: WorkerSpec, secret: bytes, core: EngineCore) -> Transf
     backend's buffers are on the engine's device; the others' in host memory."""
     on_gpu = KV_TRANSFER_BACKENDS.get(spec.kv_transfer).on_engine_device
     return TransferConfig(host=spec.advertised_host, timeout_s=spec.transfer_timeout_s, secret=secret,
-                          device=_indexed(core.device) if on_gpu else "cpu")
-
-
-def _indexed(device) -> str:
-    """"cuda" as "cuda:N" (the current device): the backends select it on their own threads."""
-    if device.type == "cuda" and device.index is None:
-        import torch
-
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
+                          device=str(core.device) if on_gpu else "cpu")
 
 
 async def open_channel_via_grpc(decode_address: str, prefill_id: str, incarnation: str,

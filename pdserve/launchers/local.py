@@ -176,8 +176,12 @@ class LocalCluster:
         off GPUs and where --kv-cache-memory or --num-gpu-blocks-override sizes the cache."""
         a = self.args
         if a.gpu_memory_utilization is not None or a.kv_cache_memory is not None \
-                or a.num_gpu_blocks_override is not None or not workers_on_gpu(a.device):
+                or a.num_gpu_blocks_override is not None:
             return a.gpu_memory_utilization
+        from engine.device import resolve_device  # torch; `up` has checked the device already
+
+        if resolve_device(a.device).type != "cuda":
+            return None
         return round(DEFAULT_GPU_MEMORY_UTILIZATION / max(sum(self.initial_counts().values()), 1), 4)
 
     def _worker_spec(self, role: str, worker_id: str) -> WorkerSpec:
@@ -282,15 +286,6 @@ class LocalCluster:
         """Lines about where it runs, for the start banner."""
         return f"redis {redact_url(self.redis_url)}; Ctrl-C drains and stops everything."
 
-
-
-def workers_on_gpu(device: str) -> bool:
-    """Whether workers started here with --device `device` run on a GPU (auto: when torch sees one)."""
-    if device != "auto":
-        return device == "cuda"
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def busy_port(args: argparse.Namespace) -> str | None:

@@ -69,12 +69,16 @@ def test_pdserve_up_workers_bound_to_all_addresses_advertise_loopback(host, adve
     (["--device", "cuda", "--num-gpu-blocks-override", "512"], None),
     (["--device", "cpu"], None),  # the CPU default (2 GiB per engine) stands
 ])
-def test_pdserve_up_splits_the_default_gpu_share_among_the_workers_it_starts(argv, share):
+def test_pdserve_up_splits_the_default_gpu_share_among_the_workers_it_starts(argv, share, monkeypatch):
     """Local workers all start on the same GPU, and each share is of the whole GPU: two workers
     each taking the default 0.9 would not fit (the second's allocation would fail)."""
     import shutil
 
+    import torch
+
     from pdserve.launchers.local import LocalCluster
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU host (`up` checked it)
 
     cluster = LocalCluster(build_parser().parse_args(["up", *argv]))
     try:
