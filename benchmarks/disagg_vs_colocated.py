@@ -12,6 +12,10 @@ Method (printed with the results too):
   disaggregated = `taskset -c A pdserve prefill --num-threads 1` + `taskset -c B pdserve decode
   --num-threads 1`; colocated = `taskset -c A,B pdserve decode --num-threads 2` alone, so the
   router sends every request to it and it prefills and decodes (pdserve up --colocated's path).
+  disaggregated+decode-alone is disaggregated with the router, Redis and the bench clients on
+  core A beside the prefill worker, so the decode worker has core B to itself, as it would on a
+  real cluster: under bursts core A is busy, and unpinned processes then wake on core B and
+  take it from the decode engine (whose nice ranks it below them).
 - Phases per setup, after an untimed warm-up: "steady" = one `pdserve bench` process sending
   short chats at a fixed Poisson rate; "bursts" = the same stream (other prompts: another
   seed) with a second `pdserve bench` process sending ~2k-token prompts in gamma bursts
@@ -33,8 +37,10 @@ Method (printed with the results too):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -44,6 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
+from benchmarks.burst_gaps import CLASSES, gap_classes  # noqa: E402
 from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
 from benchmarks.peers.servers import (  # noqa: E402
     HOST, Processes, Server, exit_on_sigterm, finish_bench, free_port, http_ok, pdserve_command, pinned_cores,
@@ -96,6 +103,8 @@ class Layout:
     name: str
     workers: tuple[tuple[str, str, int], ...]
     router_flags: tuple[str, ...] = ()
+    others: frozenset[int] | None = None
+    """Cores of everything else this setup starts (router, Redis, bench clients); None: unpinned."""
 
 
 LOCAL_PREFILL = ("--local-prefill-max-tokens", "256", "--local-prefill-min-queue", "1024")
@@ -107,6 +116,7 @@ def layouts() -> list[Layout]:
     a, b = pinned_cores(2)
     disaggregated = (("prefill", str(a), 1), ("decode", str(b), 1))
     return [Layout("disaggregated", disaggregated),
+            Layout("disaggregated+decode-alone", disaggregated, others=frozenset({a})),
             Layout("disaggregated+local", disaggregated, LOCAL_PREFILL),
             Layout("colocated", (("decode", f"{a},{b}", 2),))]
 
@@ -187,10 +197,25 @@ def measure(layout: Layout, load: Load, slo: tuple[float, float], engine_flags: 
     """One setup from start to stop: its own Redis, workers, router and bench processes."""
     from pdserve.redis_server import EmbeddedRedis, share_cluster_secrets
 
-    with EmbeddedRedis() as redis, Processes(workdir, own_sessions=own_sessions) as procs:
+    with others_on(layout.others), EmbeddedRedis() as redis, Processes(workdir, own_sessions=own_sessions) as procs:
         share_cluster_secrets(redis)
         server = start_setup(procs, layout, redis.url, engine_flags)
         return run_setup(procs, server, load, slo, repeat)
+
+
+@contextlib.contextmanager
+def others_on(cores: frozenset[int] | None):
+    """This script on `cores` while a setup runs, so that what it starts without cores of its
+    own (router, Redis, bench clients) inherits them; the workers' taskset overrides it."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 # ------------------------------------------------------------------ report
@@ -261,18 +286,44 @@ def goal_lines(results: dict[str, list[Phases]]) -> list[str]:
     return lines
 
 
+def gap_lines(results: dict[str, list[Phases]]) -> list[str]:
+    """Per setup, the bursts phase's short-chat gaps split by what the long prompts were doing
+    (benchmarks/burst_gaps.py): each class's share of the gaps and its p99 against the same
+    round's steady p99 (min / median / max over the rounds)."""
+    lines = []
+    for name, rounds in results.items():
+        per_round = [(gap_classes(p.bursts_short, p.bursts_long), value(p.steady, "p99_itl_ms")) for p in rounds]
+        parts = []
+        for i, cls in enumerate(CLASSES):
+            shares = [classes[i].share * 100 for classes, _ in per_round]
+            ratios = [quotient(classes[i].p99_ms, steady) for classes, steady in per_round
+                      if not math.isnan(classes[i].p99_ms)]
+            ratio = f"p99 {spread(ratios, '{:.2f}x')} steady" if ratios else "no gaps"
+            parts.append(f"{cls}: {spread(shares, '{:.0f}')}% of gaps, {ratio}")
+        lines.append(f"- {name}, the bursts phase's short-chat gaps by what the long prompts were doing "
+                     f"(min / med / max over rounds): " + "; ".join(parts))
+    return lines
+
+
 def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], all_layouts: list[Layout],
                  own_sessions: bool = False) -> list[str]:
     setups = "; ".join(f"{lay.name}: " + ", ".join(f"{role} on core(s) {cores} with {threads} thread(s)"
                                                      for role, cores, threads in lay.workers)
                        + (f" (router `{' '.join(lay.router_flags)}`)" if lay.router_flags else "")
+                       + (f", router, Redis and bench clients on core(s) {','.join(map(str, sorted(lay.others)))}"
+                          if lay.others is not None else "")
                        for lay in all_layouts)
     return [
-        f"- setups: {setups}; router, Redis and bench clients unpinned; engine flags `{' '.join(engine_flags)}`",
+        f"- setups: {setups}; router, Redis and bench clients unpinned unless a setup says otherwise; engine flags "
+        f"`{' '.join(engine_flags)}`",
         *load.describe(),
         f"- SLO for goodput (short chats): TTFT <= {slo[0]:g} ms and TPOT <= {slo[1]:g} ms",
         "- ITL = gaps between streamed tokens of the short chats (p99 over all gaps of the phase); TTFT p99 of "
         "the short chats; long TTFT = the bursts' own TTFT p99",
+        "- gaps by what the long prompts were doing (benchmarks/burst_gaps.py): a short chat's gap overlapping a "
+        "long prompt's decode (its first token -> its last: in the same decode batch) is `long decoding`; else one "
+        "overlapping a long prompt's prefill (sent -> first token: its KV computed, sent and written) is `long "
+        "arriving`; else `neither`",
         "- load: `pdserve bench " + " ".join(COMMON) + " --base-url URL <stream flags>`; one untimed warm-up "
         "per setup (2 long + 2 short prompts, other seeds)",
         "- sessions: " + ("each process in a session of its own (--own-sessions)" if own_sessions else
@@ -311,7 +362,8 @@ def main() -> int:
                for lay in all_layouts}
 
     headers, table = rows(results)
-    goals, method = goal_lines(results), method_lines(load, slo, engine_flags, all_layouts, args.own_sessions)
+    goals = goal_lines(results) + gap_lines(results)
+    method = method_lines(load, slo, engine_flags, all_layouts, args.own_sessions)
     print("\n" + text_table(headers, table) + "\n\n" + "\n".join(goals) + "\n\nMethod:\n" + "\n".join(method))
     if args.quick or args.no_results:
         print("\n(quick/no-results run: RESULTS.md left alone)")
