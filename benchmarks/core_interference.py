@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from benchmarks.common import report_tables  # noqa: E402
-from benchmarks.peers.servers import pinned_cores  # noqa: E402
+from benchmarks.peers.servers import exit_on_sigterm, pinned_cores  # noqa: E402
 
 SHORT_LEN = 128
 READY_TIMEOUT_S = 300.0
@@ -81,10 +81,14 @@ class PrefillLoad:
     def __enter__(self) -> PrefillLoad:
         deadline = time.monotonic() + READY_TIMEOUT_S
         line = ""
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            line = self._proc.stdout.readline()  # the process prints only "ready"
-            if line.strip() == "ready":
-                return self
+        try:
+            while time.monotonic() < deadline and self._proc.poll() is None:
+                line = self._proc.stdout.readline()  # the process prints only "ready"
+                if line.strip() == "ready":
+                    return self
+        except BaseException:  # SIGTERM (SystemExit) while it loads: `with` will not call __exit__
+            self.__exit__()
+            raise
         self.__exit__()
         raise RuntimeError(f"the prefilling process was not ready within {READY_TIMEOUT_S:.0f} s "
                            f"(exit code {self._proc.returncode}, last line {line!r})")
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-load", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # the prefilling process is stopped by PrefillLoad's exit
     if args.prefill_load:
         prefill_forever(args.core, args.long_len)
         return 0
