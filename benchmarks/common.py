@@ -119,10 +119,9 @@ def append_results(title: str, body: str, path: Path = RESULTS_PATH) -> Path:
     return path
 
 
-def median_decode_step_ms(engine, prompts: Sequence[Sequence[int]], params, tag: str) -> float:
-    """Add `prompts` to `engine` (an LLMEngine) at once and step it until they finish: the median
-    of the steps in which every one of them decodes, in ms (nan if there was none)."""
-    import statistics
+def decode_steps_ms(engine, prompts: Sequence[Sequence[int]], params, tag: str) -> list[float]:
+    """Add `prompts` to `engine` (an LLMEngine) at once and step it until they finish: the
+    steps in which every one of them decodes, in ms (empty if there was none)."""
     import time
 
     for i, prompt in enumerate(prompts):
@@ -133,8 +132,16 @@ def median_decode_step_ms(engine, prompts: Sequence[Sequence[int]], params, tag:
         outputs = engine.step()
         seconds = time.perf_counter() - start
         if len(outputs) == len(prompts) and all(len(o.token_ids) > 1 for o in outputs):
-            steps.append(seconds)  # a decode step of the whole batch
-    return statistics.median(steps) * 1e3 if steps else float("nan")
+            steps.append(seconds * 1e3)  # a decode step of the whole batch
+    return steps
+
+
+def median_decode_step_ms(engine, prompts: Sequence[Sequence[int]], params, tag: str) -> float:
+    """The median of decode_steps_ms (nan if there was none)."""
+    import statistics
+
+    steps = decode_steps_ms(engine, prompts, params, tag)
+    return statistics.median(steps) if steps else float("nan")
 
 
 def report_tables(tables: Sequence[tuple[Sequence[str], Sequence[Sequence[object]]]], title: str,

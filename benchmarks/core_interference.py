@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks.common import report_tables  # noqa: E402
+from benchmarks.common import decode_steps_ms, report_tables  # noqa: E402
 from benchmarks.peers.servers import exit_on_sigterm, pinned_cores  # noqa: E402
 
 SHORT_LEN = 128
@@ -112,7 +112,10 @@ def measure(args, decode_core: int, prefill_core: int) -> dict[str, list[float]]
 
     def steps_ms(tag: str) -> list[float]:
         prompts = [[rng.randrange(100, 40000) for _ in range(SHORT_LEN)] for _ in range(2)]
-        return decode_steps_ms(llm, prompts, params, tag)
+        steps = decode_steps_ms(llm, prompts, params, tag)
+        if not steps:
+            raise RuntimeError(f"{tag}: no step decoded the whole batch")
+        return steps
 
     steps_ms("warm-up")
     steps: dict[str, list[list[float]]] = {"idle": [], "prefilling": []}
@@ -126,22 +129,6 @@ def measure(args, decode_core: int, prefill_core: int) -> dict[str, list[float]]
             steps[load].append(ms)
             print(f"  round {r + 1} {load}: decode step median {statistics.median(ms):.2f} ms, "
                   f"p90 {percentile(ms, 90):.2f} ms", flush=True)
-    return steps
-
-
-def decode_steps_ms(llm, prompts, params, tag: str) -> list[float]:
-    """Add `prompts` at once and step until they finish: the steps (ms) in which all decode."""
-    for i, prompt in enumerate(prompts):
-        llm.add_request(f"{tag}-{i}", list(prompt), params)
-    steps = []
-    while llm.has_unfinished_requests():
-        start = time.perf_counter()
-        outputs = llm.step()
-        seconds = time.perf_counter() - start
-        if len(outputs) == len(prompts) and all(len(o.token_ids) > 1 for o in outputs):
-            steps.append(seconds * 1e3)
-    if not steps:
-        raise RuntimeError(f"{tag}: no step decoded the whole batch")
     return steps
 
 
