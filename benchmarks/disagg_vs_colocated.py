@@ -14,8 +14,9 @@ Method (printed with the results too):
   router sends every request to it and it prefills and decodes (pdserve up --colocated's path).
   disaggregated+decode-alone is disaggregated with the router, Redis and the bench clients on
   core A beside the prefill worker, so the decode worker has core B to itself, as it would on a
-  real cluster: under bursts core A is busy, and unpinned processes then wake on core B and
-  take it from the decode engine (whose nice ranks it below them).
+  real cluster. It tests one guess: that under bursts core A is busy, so unpinned processes
+  wake on core B and take it from the decode engine (whose nice ranks it below them). The
+  alternated runs in RESULTS.md did not confirm it (1.19x with this setup, 1.05x without).
 - Phases per setup, after an untimed warm-up: "steady" = one `pdserve bench` process sending
   short chats at a fixed Poisson rate; "bursts" = the same stream (other prompts: another
   seed) with a second `pdserve bench` process sending ~2k-token prompts in gamma bursts

@@ -162,16 +162,27 @@ class TorchDistSender(KVSender):
                 [wire.header_tensor(header.to_ints(), device)], wire.RANK_D,
                 wire.TAG_HEADER))
             posted, cancelled = self._post_layers(group, header, source, device, idle) if nbytes else ([], None)
+            # Every layer's send is posted: on a host wire, finish() posts the trailer from the
+            # engine thread as the token is sampled (FIFO per tag keeps it after this ticket's
+            # layers on D). A device wire's sends stay on this thread (its streams).
+            early = isinstance(source, LayerFeed) and cancelled is None and device.type == "cpu"
+            if early:
+                source.on_finish(lambda first: _send_trailer(
+                    group, (header.ticket_id, TrailerStatus.COMPLETE, *first), device))
             if isinstance(source, LayerFeed) and cancelled is None and not source.finished():
                 idle.drain(posted)
                 with idle.waiting():
                     trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
             else:
                 trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)
+            if early and trailer[1] == TrailerStatus.COMPLETE:
+                trailer_sent = source.posted(0.0)  # finished: it ran (or raises what it raised)
+            else:
+                trailer_sent = _send_trailer(group, trailer, device)
             rest = wire.Deadline(self._config.timeout_s)
             for work, _ in posted[idle.drained:]:  # a gloo send is waited once: a second wait hangs
                 rest.wait(work)
-            rest.wait(group.send([wire.header_tensor(trailer, device)], wire.RANK_D, wire.TAG_TRAILER))
+            rest.wait(trailer_sent[0])
             ack = torch.empty(2, dtype=torch.int64, device=device)
             rest.wait(group.recv([ack], wire.RANK_D, wire.TAG_ACK))
             if tuple(ack.tolist()) != (header.ticket_id, nbytes):
@@ -256,6 +267,12 @@ class _Idle:
             yield
         finally:
             self.seconds += time.perf_counter() - began
+
+
+def _send_trailer(group: ProcessGroup, trailer: tuple[int, ...], device: torch.device) -> tuple:
+    """Posts `trailer`'s send; (work, tensor): the tensor must live until the send completes."""
+    tensor = wire.header_tensor(trailer, device)
+    return group.send([tensor], wire.RANK_D, wire.TAG_TRAILER), tensor
 
 
 def _trailer(header: TransferHeader, source: torch.Tensor | LayerFeed, cancelled: str | None,

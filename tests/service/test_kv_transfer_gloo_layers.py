@@ -291,3 +291,35 @@ def test_the_first_token_is_announced_before_the_ack_is_done_and_a_failed_ack_st
     assert (got.result.state, got.header.first_token_id, got.layers_written) == (TransferState.DONE, 4242, 2)
     assert torch.equal(got.payload, whole)
     assert ("its ack failed" in caplog.text) is (ack_error is not None)
+
+
+def test_the_trailer_leaves_from_the_thread_that_finishes_the_feed(receiver, monkeypatch):
+    """The sender's thread has posted every layer and waits: finish() on the producer's thread
+    posts the trailer itself (no wake of the sender's thread on the first token's path)."""
+    from kv_transfer import torch_dist_sender
+    posted_on, send_trailer = [], torch_dist_sender._send_trailer
+
+    def spy(group, trailer, device):
+        posted_on.append(threading.current_thread().name)
+        return send_trailer(group, trailer, device)
+    monkeypatch.setattr(torch_dist_sender, "_send_trailer", spy)
+    whole = payload(12, blocks=2)
+    sender = gloo().connect(receiver.open_channel())
+    try:
+        feed = _feed(13, whole)
+        sender.send_layers(feed)
+        for layer in range(whole.shape[0]):
+            feed.put(layer, whole[layer].clone())
+        deadline = time.monotonic() + 10
+        while feed._post is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the sender's thread posted every layer and set its post
+        finisher = threading.Thread(target=feed.finish, args=(4242, None), name="engine-step")
+        finisher.start()
+        finisher.join(5)
+        (got,) = drain(receiver.poll, 1)
+        (result,) = drain(sender.poll, 1)
+    finally:
+        sender.close()
+    assert posted_on == ["engine-step"]
+    assert torch.equal(got.payload, whole) and got.header.first_token_id == 4242
+    assert result.state == TransferState.DONE

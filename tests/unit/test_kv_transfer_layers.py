@@ -60,3 +60,44 @@ def test_ready_and_finished_say_whether_get_and_trailer_would_wait():
     cancelled = LayerFeed(HEADER)
     cancelled.cancel("gone")
     assert (cancelled.ready(1), cancelled.finished()) == (True, True)
+
+
+def test_on_finish_runs_the_post_on_the_finishing_thread_once_and_posted_gives_its_result():
+    feed, ran_on = LayerFeed(HEADER), []
+
+    def post(first):
+        ran_on.append((threading.current_thread().name, first))
+        return "work"
+    feed.on_finish(post)
+    assert ran_on == []  # nothing until the token exists
+    finisher = threading.Thread(target=feed.finish, args=(4242, 1.5), name="engine")
+    finisher.start()
+    finisher.join(5)
+    assert feed.posted(5.0) == "work"
+    feed.finish(1, None)  # a second finish does not post again
+    assert ran_on == [("engine", (4242, 1_500_000))]
+
+
+def test_on_finish_after_finish_posts_at_once_and_never_for_a_cancelled_feed():
+    done, ran = LayerFeed(HEADER), []
+    done.finish(7, None)
+    done.on_finish(lambda first: ran.append(first) or "now")
+    assert (ran, done.posted(0.01)) == ([(7, 0)], "now")
+    cancelled = LayerFeed(HEADER)
+    cancelled.on_finish(lambda first: ran.append(first))
+    cancelled.cancel("request r was aborted")
+    cancelled.finish(8, None)
+    assert ran == [(7, 0)]
+    with pytest.raises(FeedCancelled, match="request r was aborted"):
+        cancelled.posted(0.01)
+
+
+def test_what_the_post_raises_is_raised_to_the_consumer_not_the_producer():
+    feed = LayerFeed(HEADER)
+
+    def post(first):
+        raise RuntimeError("the channel is gone")
+    feed.on_finish(post)
+    feed.finish(1, None)  # the engine thread goes on
+    with pytest.raises(RuntimeError, match="the channel is gone"):
+        feed.posted(0.01)
