@@ -145,12 +145,16 @@ def median_decode_step_ms(engine, prompts: Sequence[Sequence[int]], params, tag:
 
 
 def report_tables(tables: Sequence[tuple[Sequence[str], Sequence[Sequence[object]]]], title: str,
-                  method: Sequence[str], write: bool) -> None:
-    """Print each (headers, rows) table; when `write`, append them and the method lines to
-    RESULTS.md under `title`."""
+                  method: Sequence[str], write: bool, findings: Sequence[str] = ()) -> None:
+    """Print each (headers, rows) table and the `findings` lines (what the tables add up to);
+    when `write`, append them and the method lines to RESULTS.md under `title`, the findings
+    between the tables and "Method:"."""
     for headers, rows in tables:
         print(text_table(headers, rows), flush=True)
+    if findings:
+        print("\n".join(findings), flush=True)
     if not write:
         return
     parts = [markdown_table(headers, rows) + "\n" for headers, rows in tables]
-    print("appended to", append_results(title, "\n".join([*parts, "Method:", "", *method])))
+    found = [*findings, ""] if findings else []
+    print("appended to", append_results(title, "\n".join([*parts, *found, "Method:", "", *method])))

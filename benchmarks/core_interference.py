@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     prefill_core, decode_core = pinned_cores(2)
+    cores = os.sched_getaffinity(0)
     steps = measure(args, decode_core, prefill_core)
+    os.sched_setaffinity(0, cores)  # measure() pinned this process: the results' header counts the machine's
 
     idle, busy = steps["idle"], steps["prefilling"]
     medians = [statistics.median(b) / statistics.median(i) for i, b in zip(idle, busy)]
@@ -172,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     pooled = [percentile(sum(busy, []), p) / percentile(sum(idle, []), p) for p in (50, 90, 99)]
     headers = ["round", f"decode step ms, core {prefill_core} idle: median / p90",
                f"decode step ms, core {prefill_core} prefilling: median / p90", "prefilling / idle: median / p90"]
-    method = [
+    findings = [
         f"- prefilling / idle, per round (min / median / max over {args.rounds}): median step "
         f"{spread(medians, '{:.2f}x')}, p90 step {spread(p90s, '{:.2f}x')}",
         f"- prefilling / idle, the rounds' steps pooled: median {pooled[0]:.2f}x, p90 {pooled[1]:.2f}x, "
         f"p99 {pooled[2]:.2f}x ({sum(map(len, busy))} and {sum(map(len, idle))} steps)",
-        "",
+    ]
+    method = [
         f"- decode: this process on core {decode_core}, an LLMEngine of the default model (default dtype and "
         f"quantization, 1 torch thread); per round, 2 random prompts of {SHORT_LEN} tokens, {args.new_tokens} new tokens "
         "each, added at once: the steps in which both decode",
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "two take turns, first place alternating",
     ]
     report_tables([(headers, table)], "core_interference (a prefill on one core against a decode on the other)",
-                  method, write=not (args.quick or args.no_results))
+                  method, write=not (args.quick or args.no_results), findings=findings)
     print("\n".join(method))
     return 0
 
