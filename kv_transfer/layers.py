@@ -10,10 +10,12 @@ sampler, follows in a trailer.
     LayerFeed(header)  -> send_layers    header on the wire
     put(0, kv) ... put(n-1, kv)          get(i): wait for layer i, send it (then drop it)
     finish(first_token_id, sampled_at)   trailer(): wait, send (ticket, COMPLETE, token, time)
-      (runs the sender's on_finish post,  or, with on_finish(post) set first, the trailer is
-       if set: the trailer goes out here)  posted by finish() itself and trailer() only waits
     or cancel(reason) at any point       the layers not yet put go as zeros, trailer CANCELLED:
                                          the channel stays in step, D fails only this ticket
+
+A sender whose sends may be posted from any thread (gloo) sets on_finish(post) once its last
+layer's send is posted: finish() then runs post on the engine thread, so the trailer leaves as
+the token is sampled, and the sender's thread only waits for it (posted()).
 
 Thread-safe; every wait is bounded by the caller's timeout. Imports torch only for typing.
 """
