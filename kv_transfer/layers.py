@@ -56,6 +56,7 @@ class LayerFeed:
         self._first: tuple[int, int] | None = None  # (first_token_id, first_token_at_us)
         self._cancelled: str | None = None
         self._post: Callable[[tuple[int, int]], object] | None = None
+        self._post_ran = False
         self._posted: object = None
         """What `_post` returned (or the exception it raised), once it ran."""
 
@@ -82,7 +83,8 @@ class LayerFeed:
 
     def _run_post(self) -> None:
         """Under `_cond`, finished: the consumer's post, once, if it set one."""
-        if self._post is not None and self._posted is None:
+        if self._post is not None and not self._post_ran:
+            self._post_ran = True
             try:
                 self._posted = self._post(self._first)
             except Exception as exc:  # noqa: BLE001 - the consumer raises it on its own thread

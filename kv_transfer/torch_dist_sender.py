@@ -165,11 +165,12 @@ class TorchDistSender(KVSender):
             # Every layer's send is posted: on a host wire, finish() posts the trailer from the
             # engine thread as the token is sampled (FIFO per tag keeps it after this ticket's
             # layers on D). A device wire's sends stay on this thread (its streams).
-            early = isinstance(source, LayerFeed) and cancelled is None and device.type == "cpu"
+            streamed = isinstance(source, LayerFeed) and cancelled is None
+            early = streamed and device.type == "cpu"
             if early:
                 source.on_finish(lambda first: _send_trailer(
                     group, (header.ticket_id, TrailerStatus.COMPLETE, *first), device))
-            if isinstance(source, LayerFeed) and cancelled is None and not source.finished():
+            if streamed and not source.finished():
                 idle.drain(posted)
                 with idle.waiting():
                     trailer = _trailer(header, source, cancelled, self._config.timeout_s / 2)

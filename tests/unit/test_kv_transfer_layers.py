@@ -101,3 +101,11 @@ def test_what_the_post_raises_is_raised_to_the_consumer_not_the_producer():
     feed.finish(1, None)  # the engine thread goes on
     with pytest.raises(RuntimeError, match="the channel is gone"):
         feed.posted(0.01)
+
+
+def test_a_post_that_returns_none_still_runs_once():
+    feed, ran = LayerFeed(HEADER), []
+    feed.on_finish(ran.append)
+    feed.finish(3, None)
+    feed.finish(3, None)
+    assert (ran, feed.posted(0.01)) == ([(3, 0)], None)
