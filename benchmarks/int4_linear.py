@@ -56,8 +56,9 @@ def linear_rows(batches: list[int], threads: list[int], repeat: int, layers: int
     from engine.model.quantized_linear import Int4Linear, KernelInt4Int8xLinear, KernelInt4Linear, quantize_int4
 
     kernel, reason = load_int4_kernel()
-    if kernel is None or not kernel.int8x_supported:
-        raise SystemExit(f"no C int4 kernel with AVX512-VNNI here: {reason or 'no VNNI'}")
+    if kernel is None or not (kernel.int8x_supported and kernel.bf16_supported):
+        raise SystemExit(f"this table compares both C int4 paths; this CPU lacks one (AVX512-BF16 and AVX512-VNNI "
+                         f"both needed): {reason or 'bfloat16 path ' + ('yes' if kernel.bf16_supported else 'no')}")
     gen = torch.Generator().manual_seed(0)
     modules: dict[str, list[torch.nn.Module]] = {"C kernel": [], "C int8 act": [], "torch int4": [], "dense bf16": []}
     for _ in range(layers):

@@ -102,7 +102,8 @@ class EngineConfig:
     cpu_int4_kernel: bool = True
     """On CPU, int4 linears (--quantization int4 or gguf) run in this project's C kernel
     (engine.cpu_kernels.int4_matmul: GGUF Q4 blocks as they are, bfloat16 dot products; needs a
-    C compiler and AVX512-BF16). False, or neither: torch's int4 kernel."""
+    C compiler and AVX512-BF16, or with int4_activations int8 AVX2). False, or neither: torch's
+    int4 kernel."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
     auto: on CPU in bfloat16, a GGUF whose linears are all Q4_0/Q4_1 keeps its blocks (as gguf)
@@ -118,7 +119,8 @@ class EngineConfig:
     bfloat16: x as it is, times each weight q * d + m rounded to bfloat16, the values a dense
     bfloat16 load holds. int8: each row of x quantized to 8 bits per group of 32 first, as
     llama.cpp does for its Q4 dot products (its numerics, not the dense model's), and integer dot
-    products (AVX512-VNNI): about twice as fast at every batch size. Linears that are not int4
+    products (AVX512-VNNI, or AVX2 with FMA and F16C: the only C path on a CPU without
+    AVX512-BF16): about twice as fast at every batch size. Linears that are not int4
     through the C kernel ignore it, and say so in the log."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""

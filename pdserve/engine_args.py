@@ -81,11 +81,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "C compiler (default; without a compiler: torch's SDPA)")
     g.add_argument("--cpu-int4-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, run int4 linears (--quantization int4/gguf) in pdserve's C kernel, built at "
-                        "start (default; needs AVX512-BF16, else torch's int4 kernel)")
+                        "start (default; bfloat16 activations need AVX512-BF16, else torch's int4 kernel; int8 ones run on "
+                        "AVX2 too)")
     g.add_argument("--int4-activations", choices=INT4_ACTIVATIONS, default="bfloat16",
                    help="what the C kernel's int4 linears multiply with: bfloat16 (x as it is, the dense model's "
                         "weights) or int8 (x quantized per group of 32 as llama.cpp does: its numerics, about "
-                        "twice as fast; needs AVX512-VNNI)")
+                        "twice as fast; needs AVX512-VNNI or AVX2 with FMA and F16C: the fast path on AVX2 CPUs, with "
+                        "--dtype bfloat16 --quantization gguf)")
     add_config_arg(g)
 
 

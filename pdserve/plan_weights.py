@@ -89,7 +89,7 @@ def planned_quantization(config: EngineConfig, path: Path, device_type: str, dty
         if config.cpu_int4_kernel and auto_keeps_q4(path, device_type, dtype):
             from engine.cpu_kernels.loader import int4_kernel_host
 
-            reason = int4_kernel_host()
+            reason = int4_kernel_host(config.int4_activations)
             if reason is None:
                 return "int4", ("--quantization auto: the GGUF's Q4 linears kept (int4), run by the C int4 "
                                 "kernel as a worker on this host builds it")
@@ -110,7 +110,7 @@ def planned_head(config: EngineConfig, path: Path, device_type: str, dtype: str,
     if method != "int4":
         return "dense"
     q8_kernel = (device_type == "cpu" and dtype != "float16" and config.cpu_int4_kernel
-                 and int4_kernel_host() is None)
+                 and int4_kernel_host(config.int4_activations) is None)
     return gguf_head(path, method, tied, q8_kernel)
 
 

@@ -9,11 +9,13 @@ of activations in bfloat16 dot products; above MAX_KERNEL_ROWS rows (prefill chu
 dequantizes the whole weight into bfloat16 and runs torch's dense matmul on it.
 benchmarks/int4_linear.py measures the three side by side on SmolLM2's shapes.
 
-With int8 activations (EngineConfig.int4_activations, needs AVX512-VNNI) the same codes and
-(d, m) pairs are repacked 16 output rows to a register (pack_int8x), and each row of x is
-quantized per group of 32 as llama.cpp does for its Q4 dot products: the sums are integer
-vpdpbusd ones, about twice as fast at every batch size, with llama.cpp's numerics instead of the
-dense model's (int4_linear.c's "int8 activations" says exactly what is computed).
+With int8 activations (EngineConfig.int4_activations) the same codes and (d, m) pairs are
+repacked 16 output rows to a block (pack_int8x), and each row of x is quantized per group of 32
+as llama.cpp does for its Q4 dot products: the sums are integer ones, about twice as fast at
+every batch size, with llama.cpp's numerics instead of the dense model's (int8x_linear.c says
+exactly what is computed). That path is a library of its own, built for AVX512-VNNI or for AVX2
+with FMA and F16C, so a CPU without AVX512-BF16 (no bfloat16 kernel) still runs int4 weights
+kept quantized: Int4Kernel.bf16_supported and int8x_supported say which paths a host has.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_kernels.loader import INT4_LINEAR, Loaded, load_kernel
+from engine.cpu_kernels.loader import INT4_LINEAR, INT8X_LINEAR, Loaded, load
 
 GROUP = 32
 """Weights per (d, m) pair (int4_linear.c's GROUP): GGUF's block."""
@@ -116,42 +118,56 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 
 
 class Int4Kernel:
-    """The functions of one loaded library (int4_linear.c)."""
+    """The functions of the loaded libraries: int4_linear.c's bfloat16 path (bf16_supported) and
+    int8x_linear.c's int8-activation path (int8x_supported). At least one is there."""
 
-    def __init__(self, loaded: Loaded) -> None:
-        if loaded.library is None:
-            raise ValueError(f"no kernel library: {loaded.reason}")
-        self.path = loaded.path
-        lib = loaded.library
-        lib.int4_linear_supported.restype = ctypes.c_int
-        if not lib.int4_linear_supported():
-            raise ValueError("this CPU has no AVX512-BF16 (the kernel computes in bfloat16 dot products)")
-        self._linear = lib.int4_linear_bf16
-        self._q8_linear = lib.q8_linear_bf16
-        for fn in (self._linear, self._q8_linear):  # (x, codes, scales, y, M, N, K)
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-            fn.restype = ctypes.c_int
-        self.unchecked_linear = self._linear
-        """int4_linear_bf16 itself, (x, codes, dm, y, rows, out, in) by address: for a caller that
-        checked every shape once and calls it many times (engine.model.decode_plan)."""
-        lib.int4_linear_int8x_supported.restype = ctypes.c_int
-        self.int8x_supported = bool(lib.int4_linear_int8x_supported())
-        """Whether this build has the int8-activation kernel (AVX512-VNNI)."""
-        self.unchecked_linear_int8x = lib.int4_linear_int8x
-        """int4_linear_int8x, (x, blocks, y, rows, out, in, sum_half) by address: as unchecked_linear."""
-        self.unchecked_linear_int8x.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self.unchecked_linear_int8x.restype = ctypes.c_int
-        self.unchecked_q8_linear_int8x = lib.q8_linear_int8x
-        """q8_linear_int8x, (x, blocks, y, rows, out, in) by address: as unchecked_linear."""
-        self.unchecked_q8_linear_int8x.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        self.unchecked_q8_linear_int8x.restype = ctypes.c_int
-        self._dequantize = lib.int4_dequantize_bf16
-        self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-        self._dequantize.restype = ctypes.c_int
+    def __init__(self, bf16: Loaded, int8x: Loaded) -> None:
+        self.bf16_supported = _supported(bf16, "int4_linear_supported")
+        """Whether the bfloat16 path runs here (AVX512-BF16): linear, q8_linear, dequantize."""
+        self.int8x_supported = _supported(int8x, "int4_linear_int8x_supported")
+        """Whether the int8-activation path runs here (AVX512-VNNI, or AVX2 with FMA and F16C)."""
+        if not (self.bf16_supported or self.int8x_supported):
+            raise ValueError("this CPU has neither AVX512-BF16 (the bfloat16 kernel) nor AVX2 with FMA and F16C "
+                             f"(the int8-activation kernel){_reasons(bf16, int8x)}")
+        self.path = bf16.path if self.bf16_supported else int8x.path
+        self.int8x_path = int8x.path if self.int8x_supported else None
+        self.int8x_build = ""
+        """"avx512-vnni" or "avx2": which build of int8x_linear.c runs ("" when none)."""
+        if self.bf16_supported:
+            lib = bf16.library
+            self._linear = lib.int4_linear_bf16
+            self._q8_linear = lib.q8_linear_bf16
+            for fn in (self._linear, self._q8_linear):  # (x, codes, scales, y, M, N, K)
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+                fn.restype = ctypes.c_int
+            self.unchecked_linear = self._linear
+            """int4_linear_bf16 itself, (x, codes, dm, y, rows, out, in) by address: for a caller
+            that checked every shape once and calls it many times (engine.model.decode_plan)."""
+            self._dequantize = lib.int4_dequantize_bf16
+            self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+            self._dequantize.restype = ctypes.c_int
+        if self.int8x_supported:
+            lib = int8x.library
+            lib.int8x_build.restype = ctypes.c_char_p
+            self.int8x_build = lib.int8x_build().decode()
+            self.unchecked_linear_int8x = lib.int4_linear_int8x
+            """int4_linear_int8x, (x, blocks, y, rows, out, in, sum_half) by address: as unchecked_linear."""
+            self.unchecked_linear_int8x.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            self.unchecked_linear_int8x.restype = ctypes.c_int
+            self.unchecked_q8_linear_int8x = lib.q8_linear_int8x
+            """q8_linear_int8x, (x, blocks, y, rows, out, in) by address: as unchecked_linear."""
+            self.unchecked_q8_linear_int8x.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+            self.unchecked_q8_linear_int8x.restype = ctypes.c_int
+
+    def _require(self, path: str) -> None:
+        supported = self.bf16_supported if path == "bfloat16" else self.int8x_supported
+        if not supported:
+            raise ValueError(f"the C int4 kernel's {path} path does not run on this CPU")
 
     def linear(self, x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16. Rows above MAX_KERNEL_ROWS go through
         the dense matmul on the dequantized weight."""
+        self._require("bfloat16")
         out, cols = weight.shape
         _check_rows(x, cols)
         if x.shape[0] > MAX_KERNEL_ROWS:
@@ -162,11 +178,13 @@ class Int4Kernel:
         """x [rows, in] bfloat16 times a weight in pack_int8x's layout with `out` rows -> [rows, out]
         bfloat16, each row of x quantized to 8 bits per group of 32 (llama.cpp's numerics;
         sum_half: for a Q4_1 weight, see sums_in_half). Every batch size goes through the kernel.
-        ValueError when the kernel refuses (also a build without AVX512-VNNI: int8x_supported)."""
+        ValueError when the kernel refuses, or this CPU has no int8-activation build (int8x_supported)."""
+        self._require("int8-activation")
         return self._int8x(self.unchecked_linear_int8x, "int4_linear_int8x", x, blocks, out, int(sum_half))
 
     def q8_linear_int8x(self, x: torch.Tensor, blocks: torch.Tensor, out: int) -> torch.Tensor:
         """The same for Q8_0 blocks in pack_q8_int8x's layout (llama.cpp's Q8_0 x Q8_0 product)."""
+        self._require("int8-activation")
         return self._int8x(self.unchecked_q8_linear_int8x, "q8_linear_int8x", x, blocks, out)
 
     def _int8x(self, fn, name: str, x: torch.Tensor, blocks: torch.Tensor, out: int, *extra: int) -> torch.Tensor:
@@ -182,12 +200,14 @@ class Int4Kernel:
         """x [rows, in] bfloat16 times GGUF Q8_0 blocks (codes [out, in] int8, d [out, in // 32]
         float16, both contiguous) -> [rows, out] bfloat16, each weight q * d rounded to bfloat16.
         Every batch size goes through the kernel (past 8 rows it expands each chunk of rows once)."""
+        self._require("bfloat16")
         out, cols = codes.shape
         _check_rows(x, cols)
         return _run(self._q8_linear, "q8_linear_bf16", x, codes, d, out)
 
     def dequantize(self, weight: PackedInt4) -> torch.Tensor:
         """The [out, in] bfloat16 weight, each value as `linear` computes with it."""
+        self._require("bfloat16")
         out, cols = weight.shape
         w = torch.empty(out, cols, dtype=torch.bfloat16)
         if self._dequantize(weight.codes.data_ptr(), weight.dm.data_ptr(), w.data_ptr(), out, cols):
@@ -210,6 +230,23 @@ def _run(fn, name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     return y
 
 
+def _supported(loaded: Loaded, probe: str) -> bool:
+    if loaded.library is None:
+        return False
+    fn = getattr(loaded.library, probe)
+    fn.restype = ctypes.c_int
+    return bool(fn())
+
+
+def _reasons(*loaded: Loaded) -> str:
+    why = "; ".join(each.reason for each in loaded if each.reason)
+    return f" ({why})" if why else ""
+
+
 def load_int4_kernel() -> tuple[Int4Kernel | None, str]:
-    """(the kernel, "") or (None, why there is none)."""
-    return load_kernel(INT4_LINEAR, Int4Kernel)
+    """(the kernel, "") or (None, why there is none: no compiler, or a CPU with neither path)."""
+    bf16, int8x = load(INT4_LINEAR), load(INT8X_LINEAR)
+    try:
+        return Int4Kernel(bf16, int8x), ""
+    except ValueError as e:
+        return None, str(e)

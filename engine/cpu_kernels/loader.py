@@ -54,6 +54,9 @@ INT4_LINEAR = Source("int4_linear.c", ("-fopenmp",))
 libgomp.so.1 by that name, so in a process where torch has loaded its own libgomp the dynamic
 linker hands it that one, and both share one pool of threads (no second pool spinning on the
 same cores)."""
+INT8X_LINEAR = Source("int8x_linear.c", ("-fopenmp",))
+"""The int4 linears' int8-activation path (AVX512-VNNI, or AVX2 with FMA and F16C); -fopenmp as
+INT4_LINEAR."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,19 @@ def compiler() -> str | None:
     return None
 
 
-def int4_kernel_host() -> str | None:
-    """Why a worker on this host could not build and run the int4 kernel, or None when it could
-    (a compiler, and AVX512-BF16 in the CPU's flags): what `pdserve plan` predicts by."""
+def int4_kernel_host(int4_activations: str = "bfloat16") -> str | None:
+    """Why a worker on this host could not build and run the int4 kernel's path for
+    `int4_activations`, or None when it could (a compiler, and in the CPU's flags AVX512-BF16 for
+    bfloat16 activations; AVX512-VNNI with it, or AVX2 with FMA and F16C, for int8): what `pdserve
+    plan` predicts by."""
     if compiler() is None:
         return "no C compiler"
-    if "avx512_bf16" not in _cpu_flags().split():
+    flags = set(_cpu_flags().split())
+    if int4_activations == "int8":
+        if {"avx512_vnni", "avx512_bf16"} <= flags or {"avx2", "fma", "f16c"} <= flags:
+            return None
+        return "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"
+    if "avx512_bf16" not in flags:
         return "the CPU has no AVX512-BF16"
     return None
 

@@ -66,16 +66,17 @@ def load_model(
     as `quantization` (EngineConfig.quantization) resolves here; on CPU, int4 linears run in
     this project's C kernel when `cpu_int4_kernel` and it loads (_int4_kernel), and only then does
     auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4); they take int8 activations when
-    `int4_activations` is "int8" (EngineConfig.int4_activations). Raises on missing tensors, and
-    ValueError for int4/int8 on a device without the kernels or int8 activations on a CPU
-    without AVX512-VNNI."""
+    `int4_activations` is "int8" (EngineConfig.int4_activations; on a CPU without AVX512-BF16
+    that is the only path of the C kernel). Raises on missing tensors, and ValueError for
+    int4/int8 on a device without the kernels or int8 activations on a CPU with neither
+    AVX512-VNNI nor AVX2."""
     started = time.perf_counter()
     path = resolve_model_path(model)
     spec = read_spec(path)
     dtype_name = str(dtype).removeprefix("torch.")
     wants_kernel = cpu_int4_kernel and device.type == "cpu" and (
         quantization in ("int4", "gguf") or (quantization == "auto" and auto_keeps_q4(path, device.type, dtype_name)))
-    kernel = _int4_kernel() if wants_kernel else None
+    kernel = _kernel_for(_int4_kernel(), int4_activations) if wants_kernel else None
     method = resolve_quantization(quantization, path, device.type, kernels_available(device.type), dtype_name,
                                   fast_int4=kernel is not None)
     if method not in ("int4", "gguf"):
@@ -97,18 +98,35 @@ def load_model(
 
 def _int8_activations(wanted: str, kernel: Int4Kernel | None, dtype: torch.dtype, method: str) -> bool:
     """Whether the int4 linears take int8 activations: asked for, and they go through the C
-    kernel (else the setting is ignored, and the log says why). ValueError when the kernel is
-    there but this CPU has no AVX512-VNNI."""
+    kernel (else the setting is ignored, and the log says why; _kernel_for has checked that the
+    kernel has the path)."""
     if wanted != "int8":
         return False
     if kernel is None or not kernel_computes(dtype):
         logger.warning("int4 activations int8: ignored, no int4 linears run in the C kernel here "
                        "(quantization %s, %s)", method, str(dtype).removeprefix("torch."))
         return False
-    if not kernel.int8x_supported:
-        raise ValueError("--int4-activations int8 needs AVX512-VNNI, which this CPU (or the kernel's build) lacks")
-    logger.info("int4 linears: int8 activations (each row of x quantized per group of 32, as llama.cpp does)")
+    logger.info("int4 linears: int8 activations (each row of x quantized per group of 32, as llama.cpp does; "
+                "%s build)", kernel.int8x_build)
     return True
+
+
+def _kernel_for(kernel: Int4Kernel | None, int4_activations: str) -> Int4Kernel | None:
+    """The kernel when it has the path `int4_activations` asks for, else None with the reason
+    logged (int4 linears then use torch's kernel, and auto stays dense). ValueError for int8
+    activations on a CPU with no int8-activation build: asked for explicitly, so refused."""
+    if kernel is None:
+        return None
+    if int4_activations == "int8":
+        if not kernel.int8x_supported:
+            raise ValueError("--int4-activations int8 needs AVX512-VNNI or AVX2 with FMA and F16C, which this CPU "
+                             "(or the kernel's build) lacks")
+        return kernel
+    if not kernel.bf16_supported:
+        logger.warning("int4 linears: the C kernel's bfloat16 path needs AVX512-BF16, which this CPU lacks (auto "
+                       "stays dense; int4/gguf use torch's kernel); --int4-activations int8 runs the C kernel here")
+        return None
+    return kernel
 
 
 def _int4_kernel() -> Int4Kernel | None:
@@ -119,7 +137,8 @@ def _int4_kernel() -> Int4Kernel | None:
         logger.warning("int4 linears: the C kernel is not available (auto stays dense; int4/gguf use torch's "
                        "kernel): %s", reason)
     else:
-        logger.info("int4 linears: C kernel %s", kernel.path)
+        logger.info("int4 linears: C kernel %s (bfloat16 path %s, int8-activation path %s)", kernel.path,
+                    "yes" if kernel.bf16_supported else "no: needs AVX512-BF16", kernel.int8x_build or "no")
     return kernel
 
 

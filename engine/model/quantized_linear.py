@@ -18,7 +18,8 @@ Where this project's own int4 kernel is loaded (engine.cpu_kernels.int4_matmul, 
 AVX512-BF16), int4 weights go through it instead (KernelInt4Linear): the GGUF block's float16
 (d, m) pair is kept as it is, and batches of decode size read the weights once per call. With
 int8 activations (EngineConfig.int4_activations) they go through KernelInt4Int8xLinear: the same
-weights, x quantized per group of 32 as llama.cpp does, integer dot products.
+weights, x quantized per group of 32 as llama.cpp does, integer dot products (AVX512-VNNI, or
+AVX2 with FMA and F16C: the one C path a CPU without AVX512-BF16 has).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class KernelInt4Linear(nn.Module):
 
 def _require_int8x(kernel: Int4Kernel) -> None:
     if not kernel.int8x_supported:
-        raise ValueError("int8 activations need AVX512-VNNI, which this CPU (or build) lacks")
+        raise ValueError("int8 activations need AVX512-VNNI or AVX2 with FMA and F16C, which this CPU (or build) lacks")
 
 
 class KernelInt4Int8xLinear(nn.Module):
@@ -325,12 +326,13 @@ def quantized_linear(weight: QuantizedWeight, dtype: torch.dtype, int4_kernel: I
     fits it (engine.cpu_kernels.int4_matmul.pack says when not), with int8 activations when asked,
     else torch's kernels; Q8_0 blocks only through the kernel, in bfloat16 (ValueError otherwise)."""
     if isinstance(weight, Q8BlockWeight):
-        if int4_kernel is None or not kernel_computes(dtype):
-            raise ValueError("Q8_0 blocks are computed only by the C kernel, in bfloat16")
+        if int4_kernel is None or not kernel_computes(dtype) or not (int8_activations or int4_kernel.bf16_supported):
+            raise ValueError("Q8_0 blocks are computed only by the C kernel, in bfloat16 (its bfloat16 path needs "
+                             "AVX512-BF16; its int8-activation path runs on AVX2)")
         return KernelQ8Int8xLinear(weight, int4_kernel) if int8_activations else KernelQ8Linear(weight, int4_kernel)
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, dtype)
-    if int4_kernel is not None and kernel_computes(dtype):
+    if int4_kernel is not None and kernel_computes(dtype) and (int8_activations or int4_kernel.bf16_supported):
         packed = pack(weight.codes, weight.scales, weight.zeros, weight.group_size)
         if isinstance(packed, PackedInt4):
             kind = KernelInt4Int8xLinear if int8_activations else KernelInt4Linear

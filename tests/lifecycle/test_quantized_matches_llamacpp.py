@@ -75,15 +75,16 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]
 def test_int4_first_token_is_llamacpps_top1_and_greedy_tokens_agree(activations, reference, record_property, capsys):
     kernel = load_int4_kernel()[0]
     if activations == "int8" and (kernel is None or not kernel.int8x_supported):
-        pytest.skip("int8 activations need the C int4 kernel with AVX512-VNNI")
+        pytest.skip("int8 activations need the C int4 kernel (AVX512-VNNI, or AVX2 with FMA and F16C)")
+    kernel_runs = kernel is not None and (kernel.int8x_supported if activations == "int8" else kernel.bf16_supported)
     llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=1024, num_threads=2, int4_activations=activations)
     assert llm.engine.core.quantization == "gguf"  # Q4_1 blocks kept as int4
-    assert llm.engine.core.head == ("q8_0" if kernel is not None else "dense")  # counted in the weights' bytes
+    assert llm.engine.core.head == ("q8_0" if kernel_runs else "dense")  # counted in the weights' bytes
     model = llm.engine.runner.model
     if activations == "int8":  # the Q8_0 head as llama.cpp multiplies it: Q8_0 x Q8_0, every batch size
         assert isinstance(model.lm_head, KernelQ8Int8xLinear)
         assert all(isinstance(layer.mlp.down_proj, KernelInt4Int8xLinear) for layer in model.model.layers)
-    elif kernel is not None:  # the C kernel computes the Q8_0 head on its blocks
+    elif kernel_runs:  # the C kernel computes the Q8_0 head on its blocks
         assert isinstance(model.lm_head, KernelQ8Linear)
         # the tied embedding holds the head's blocks as q * d rounded to bfloat16: batches of more
         # than Q8_KERNEL_ROWS rows (this test's 30) multiply by the same values, packed for oneDNN

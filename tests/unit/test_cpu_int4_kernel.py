@@ -17,7 +17,8 @@ from engine.model.quantized_linear import (
 )
 
 KERNEL, WHY = load_int4_kernel()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no C int4 kernel here: {WHY}")
+pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.bf16_supported,
+                                reason=f"no C bfloat16 int4 kernel here (needs AVX512-BF16): {WHY or 'not on this CPU'}")
 
 
 def _weight(rows: int, cols: int, seed: int = 0) -> Int4Weight:

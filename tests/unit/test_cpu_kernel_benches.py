@@ -21,7 +21,8 @@ NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
     ("cpu_attention.py", ("torch path us/layer", "C kernel step ms"), "no C compiler" if NO_COMPILER else None),
     ("int4_linear.py", ("torch int4 ms", "C int8 act ms", "C kernel step ms", "C int8 act step ms", "C q8 int8 act ms"),
      None if load_int4_kernel()[0] is not None and load_int4_kernel()[0].int8x_supported
-     else f"no C int4 kernel with AVX512-VNNI here: {load_int4_kernel()[1] or 'no VNNI'}"),
+     and load_int4_kernel()[0].bf16_supported
+     else f"the table compares both C int4 paths (AVX512-BF16 and -VNNI): {load_int4_kernel()[1] or 'not on this CPU'}"),
 ])
 def test_quick_run_prints_both_tables(script, expected, skip_reason):
     if skip_reason:

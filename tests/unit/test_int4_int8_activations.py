@@ -16,13 +16,13 @@ from engine.cpu_kernels.int4_matmul import GROUP, INT8X_LANES, PackedInt4, load_
     pack_q8_int8x, sums_in_half
 from engine.model.decode_plan import DecodePlan
 from engine.model.quantized_linear import (
-    KernelInt4Int8xLinear, KernelInt4Linear, KernelQ8Int8xLinear, Q8BlockWeight, quantize_int4, quantized_linear,
+    Int4Linear, KernelInt4Int8xLinear, KernelInt4Linear, KernelQ8Int8xLinear, Q8BlockWeight, quantize_int4, quantized_linear,
 )
 from tests.tiny_model import tiny_llm, write_tiny_model
 
 KERNEL, WHY = load_int4_kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.int8x_supported,
-                                reason=f"no C int4 kernel with AVX512-VNNI here: {WHY or 'no VNNI'}")
+                                reason=f"no int8-activation kernel here (AVX512-VNNI or AVX2 with FMA and F16C): {WHY or 'not on this CPU'}")
 
 
 def _packed(rows: int, cols: int, seed: int = 0, q4_0: bool = False) -> PackedInt4:
@@ -119,7 +119,8 @@ def test_q4_0_weights_keep_the_exact_sum_and_q4_1_round_it_as_llamacpps_q8_1_blo
 
 def test_the_module_and_its_bound_call_agree_and_int8_is_asked_for_explicitly():
     weight = quantize_int4(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)) * 0.05)
-    assert isinstance(quantized_linear(weight, torch.bfloat16, KERNEL), KernelInt4Linear)
+    without_int8 = quantized_linear(weight, torch.bfloat16, KERNEL)
+    assert isinstance(without_int8, KernelInt4Linear if KERNEL.bf16_supported else Int4Linear)  # AVX2: torch's
     linear = quantized_linear(weight, torch.bfloat16, KERNEL, int8_activations=True)
     assert isinstance(linear, KernelInt4Int8xLinear)
     x = torch.randn(2, 3, 64)  # float32, three dimensions: restored as the input came
@@ -213,5 +214,5 @@ def test_asking_for_int8_activations_on_a_cpu_without_vnni_refuses_to_start(fold
     without_vnni = load_int4_kernel()[0]
     without_vnni.int8x_supported = False
     monkeypatch.setattr(model_loader, "_int4_kernel", lambda: without_vnni)
-    with pytest.raises(ValueError, match="--int4-activations int8 needs AVX512-VNNI"):
+    with pytest.raises(ValueError, match="--int4-activations int8 needs AVX512-VNNI or AVX2"):
         tiny_llm(folder, dtype="bfloat16", quantization="int4", int4_activations="int8")

@@ -136,7 +136,7 @@ def test_gguf_keeps_a_q4_gguf_quantized_on_cpu_and_auto_only_with_the_c_kernel_i
         resolve_quantization("int4", q4, "cuda", False, "bfloat16")
 
 
-_C_INT4 = KernelInt4Linear if load_int4_kernel()[0] is not None else Int4Linear
+_C_INT4 = KernelInt4Linear if load_int4_kernel()[0] is not None and load_int4_kernel()[0].bf16_supported else Int4Linear
 """What int4 linears are on this host with the C kernel on (tests/unit/test_cpu_int4_kernel.py)."""
 
 
