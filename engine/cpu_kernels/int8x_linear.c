@@ -225,85 +225,124 @@ static inline __m256i dot4(__m256i u, __m256i s)
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-/* One block of 16 output rows against rows 0 .. mb-1 of the quantized x, as the AVX512
-   block_int8x computes it: the same integer sums, then the same float32 operations lane by lane,
-   each register holding 8 of the 16 rows (h: rows 8 h .. 8 h + 7, bytes 32 h .. 32 h + 31 of each
-   64 of codes).
+/* Halves h0 .. h0 + nh - 1 of one block (half h: output rows 8 h .. 8 h + 7, bytes 32 h ..
+   32 h + 31 of each 64 of codes) against rows 0 .. mb-1 of the quantized x, as the AVX512
+   block_int8x computes those rows: the same integer sums, then the same float32 operations lane
+   by lane. Both halves at once share each broadcast of x; from 3 rows of x on their sums and
+   accumulators no longer fit the 16 ymm registers, so block_int8x then takes a half at a time
+   (at 256 rows of x a third less time than both halves spilled to the stack).
    int4: 4-bit codes times int8 activations in vpmaddubsw, whose pairs (at most 2 * 15 * 127)
    and sums of 8 of them (30480) fit 16 bits, so a group's 8 products per row take one widening.
    Q8_0: the codes are held as q_w + 128; xor 128 gives q_w, and vpmaddubsw takes |q_w| times x
    with q_w's sign (llama.cpp's way): pairs up to 2 * 128 * 127 fit 16 bits, and each is widened. */
-static inline __attribute__((always_inline)) void block_int8x(
+static inline __attribute__((always_inline)) void halves_int8x(
     const uint8_t *block, const int8_t *xq, const float *dx, const float *sx, int64_t K, const int mb,
-    const int bits, uint16_t *y, int64_t ldy, int valid)
+    const int bits, const int h0, const int nh, uint16_t *y, int64_t ldy, int valid)
 {
     const int64_t groups = K / GROUP, block_bytes = bits == 4 ? BLOCK_BYTES : Q8_BLOCK_BYTES;
-    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc[XMB][2];
 #pragma GCC unroll 4
-    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int i = 0; i < mb; i++)
+#pragma GCC unroll 2
+        for (int h = 0; h < nh; h++) acc[i][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b = block + g * block_bytes;
 #pragma GCC unroll 9
         for (int line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)b + PREFETCH_AHEAD + line, _MM_HINT_T0);
+        const int8_t *xg = xq + g * GROUP;
+        __m256i sums[XMB][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < mb; i++)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m256i dot[XMB];
-            if (bits == 8) {
-#pragma GCC unroll 4
-                for (int i = 0; i < mb; i++) dot[i] = _mm256_setzero_si256();
+            for (int h = 0; h < nh; h++) sums[i][h] = _mm256_setzero_si256();
+        if (bits == 8) {
 #pragma GCC unroll 8
-                for (int c = 0; c < 8; c++) {
-                    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * h)), flip);
-                    const __m256i magnitude = _mm256_sign_epi8(w, w);
-#pragma GCC unroll 4
-                    for (int i = 0; i < mb; i++) {
-                        int32_t a;
-                        memcpy(&a, xq + i * K + g * GROUP + 4 * c, 4);
-                        dot[i] = _mm256_add_epi32(dot[i], dot4(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(a), w)));
-                    }
+            for (int c = 0; c < 8; c++) {
+                __m256i w[2], magnitude[2];
+#pragma GCC unroll 2
+                for (int h = 0; h < nh; h++) {
+                    w[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (h0 + h))),
+                                            _mm256_set1_epi8((char)0x80));
+                    magnitude[h] = _mm256_sign_epi8(w[h], w[h]);
                 }
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 512 + 16 * h)));
-#pragma GCC unroll 4
-                for (int i = 0; i < mb; i++)
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(d, _mm256_set1_ps(dx[i * groups + g])),
-                                                acc[i][h]);
-                continue;
-            }
-            __m256i pairs[XMB];
-#pragma GCC unroll 4
-            for (int i = 0; i < mb; i++) pairs[i] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * h));
-                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 #pragma GCC unroll 4
                 for (int i = 0; i < mb; i++) {
-                    const int8_t *xg = xq + i * K + g * GROUP;
-                    int32_t a, e;
-                    memcpy(&a, xg + 4 * c, 4);
-                    memcpy(&e, xg + 16 + 4 * c, 4);
-                    pairs[i] = _mm256_add_epi16(pairs[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-                    pairs[i] = _mm256_add_epi16(pairs[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(e)));
+                    int32_t a;
+                    memcpy(&a, xg + i * K + 4 * c, 4);
+                    const __m256i x = _mm256_set1_epi32(a);
+#pragma GCC unroll 2
+                    for (int h = 0; h < nh; h++)
+                        sums[i][h] = _mm256_add_epi32(sums[i][h], dot4(magnitude[h], _mm256_sign_epi8(x, w[h])));
                 }
             }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 256 + 16 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 288 + 16 * h)));
+#pragma GCC unroll 2
+            for (int h = 0; h < nh; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 512 + 16 * (h0 + h))));
+#pragma GCC unroll 4
+                for (int i = 0; i < mb; i++)
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]),
+                                                _mm256_mul_ps(d, _mm256_set1_ps(dx[i * groups + g])), acc[i][h]);
+            }
+            continue;
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            __m256i lo[2], hi[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < nh; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 64 * c + 32 * (h0 + h)));
+                lo[h] = _mm256_and_si256(v, _mm256_set1_epi8(15));
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+            }
 #pragma GCC unroll 4
             for (int i = 0; i < mb; i++) {
-                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i], ones));
+                int32_t a, e;
+                memcpy(&a, xg + i * K + 4 * c, 4);
+                memcpy(&e, xg + i * K + 16 + 4 * c, 4);
+                const __m256i xa = _mm256_set1_epi32(a), xe = _mm256_set1_epi32(e);
+#pragma GCC unroll 2
+                for (int h = 0; h < nh; h++) {
+                    sums[i][h] = _mm256_add_epi16(sums[i][h], _mm256_maddubs_epi16(lo[h], xa));
+                    sums[i][h] = _mm256_add_epi16(sums[i][h], _mm256_maddubs_epi16(hi[h], xe));
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < nh; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 256 + 16 * (h0 + h))));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 288 + 16 * (h0 + h))));
+#pragma GCC unroll 4
+            for (int i = 0; i < mb; i++) {
+                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i][h], _mm256_set1_epi16(1)));
                 acc[i][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx[i * groups + g])), acc[i][h]);
                 acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i * groups + g]), acc[i][h]);
             }
         }
     }
+#pragma GCC unroll 2
+    for (int h = 0; h < nh; h++) {
+        const int rows = valid - 8 * (h0 + h) >= 8 ? 8 : valid - 8 * (h0 + h);
+        if (rows <= 0) break;
 #pragma GCC unroll 4
-    for (int i = 0; i < mb; i++) {
-        uint16_t out[LANES];
-        _mm_storeu_si128((__m128i *)out, float8_to_bf16(acc[i][0]));
-        _mm_storeu_si128((__m128i *)(out + 8), float8_to_bf16(acc[i][1]));
-        memcpy(y + i * ldy, out, (size_t)(valid >= LANES ? LANES : valid) * sizeof(uint16_t));
+        for (int i = 0; i < mb; i++) {
+            uint16_t out[8];
+            _mm_storeu_si128((__m128i *)out, float8_to_bf16(acc[i][h]));
+            memcpy(y + i * ldy + 8 * (h0 + h), out, (size_t)rows * sizeof(uint16_t));
+        }
     }
+}
+
+/* One block of 16 output rows: both halves together for 1 or 2 rows of x, else one at a time. */
+static inline __attribute__((always_inline)) void block_int8x(
+    const uint8_t *block, const int8_t *xq, const float *dx, const float *sx, int64_t K, const int mb,
+    const int bits, uint16_t *y, int64_t ldy, int valid)
+{
+    if (mb <= 2) {
+        halves_int8x(block, xq, dx, sx, K, mb, bits, 0, 2, y, ldy, valid);
+        return;
+    }
+    halves_int8x(block, xq, dx, sx, K, mb, bits, 0, 1, y, ldy, valid);
+    halves_int8x(block, xq, dx, sx, K, mb, bits, 1, 1, y, ldy, valid);
 }
 
 typedef void (*block_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, uint16_t *, int64_t, int);

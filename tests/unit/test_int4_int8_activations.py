@@ -190,7 +190,8 @@ def _q8(rows: int, cols: int, seed: int = 0) -> Q8BlockWeight:
     return Q8BlockWeight(codes, d)
 
 
-@pytest.mark.parametrize("rows, out, cols", [(1, 16, 32), (1, 100, 576), (8, 48, 96), (9, 33, 64), (70, 40, 160)])
+@pytest.mark.parametrize("rows, out, cols", [(1, 16, 32), (1, 100, 576), (3, 24, 64), (8, 48, 96), (9, 33, 64),
+                                             (70, 40, 160)])
 def test_q8_0_weights_are_llamacpps_q8_0_times_q8_0_computed_in_float32(rows, out, cols):
     weight = _q8(out, cols, seed=rows)
     x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(out)) * 2).to(torch.bfloat16)
