@@ -130,7 +130,6 @@ class Int4Kernel:
             raise ValueError("this CPU has neither AVX512-BF16 (the bfloat16 kernel) nor AVX2 with FMA and F16C "
                              f"(the int8-activation kernel){_reasons(bf16, int8x)}")
         self.path = bf16.path if self.bf16_supported else int8x.path
-        self.int8x_path = int8x.path if self.int8x_supported else None
         self.int8x_build = ""
         """"avx512-vnni" or "avx2": which build of int8x_linear.c runs ("" when none)."""
         if self.bf16_supported:
