@@ -12,9 +12,11 @@
  * softmax_rows turns the scores into weights e^(s - max), pass 2 adds every V row times its
  * weights, and the sums are divided by the weights' total at the end.
  *
- * Rows are vectors of 16 floats (GCC vector extensions: the compiler maps them onto AVX-512,
- * AVX2 or SSE, whatever -march=native offers). head_dim must be a multiple of 16 up to 256 (64
- * and 128 get their own unrolled copies), group at most MAX_GROUP and the query heads at most
+ * Rows are vectors of LANES floats (GCC vector extensions): 16 where -march=native offers
+ * AVX-512, else 8, one AVX2 register (16-float vectors on AVX2 were split through memory and
+ * general registers: 118 us a layer at a 130-token context on the 2-core EPYC without AVX-512,
+ * 1.39 ms at 2048). The lanes split a head's dot products, so the last bits of a sum depend on
+ * LANES. head_dim must be a multiple of 16 up to 256 (64 and 128 get their own unrolled copies), group at most MAX_GROUP and the query heads at most
  * MAX_HEADS; the caller checks that, the shapes and the block ids (paged_attention.py), and the
  * kernel trusts them. Returns 0, or -1 when its buffers cannot be allocated. A sequence with
  * context 0 gets zeros.
@@ -29,8 +31,12 @@
 
 #define MAX_GROUP 16
 #define MAX_HEADS 1024 /* query heads per sequence */
+#if defined(__AVX512F__)
 #define LANES 16
-#define MAX_CHUNKS 16 /* head_dim 256 */
+#else
+#define LANES 8
+#endif
+#define MAX_CHUNKS (256 / LANES) /* head_dim 256 */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -64,12 +70,16 @@ ALWAYS_INLINE vf load_bf16(const uint16_t *p) {
     return v;
 }
 
-/* Sum of the 16 lanes as a tree (halves added), not a chain of 16 dependent adds. */
+/* Sum of the lanes as a tree (halves added), not a chain of dependent adds. */
 ALWAYS_INLINE float hsum(vf v) {
+#if LANES == 16
     vf8 lo, hi;
     memcpy(&lo, &v, sizeof lo);
     memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
     lo += hi;
+#else
+    vf8 lo = v;
+#endif
     vf4 a, b;
     memcpy(&a, &lo, sizeof a);
     memcpy(&b, (const char *)&lo + sizeof a, sizeof b);
@@ -232,7 +242,10 @@ ALWAYS_INLINE void store_bf16(uint16_t *dst, const vf *src, int64_t n) {
     for (int64_t d = 0; d < n; d++) dst[d] = f32_to_bf16(f[d]);
 }
 
-/* A copy of seq_ with head_dim / 16 and the group size fixed, so its loops unroll and its
+#define CH64 (64 / LANES)   /* vectors of a 64-wide head */
+#define CH128 (128 / LANES)
+
+/* A copy of seq_ with head_dim / LANES and the group size fixed, so its loops unroll and its
  * vectors stay in registers: the shapes of common models (SmolLM2: 64 and 3, Llama 3 8B: 128
  * and 4, Llama 3 70B: 128 and 8). */
 #define SEQ_CASE(SUFFIX, CH, G)                                                                   \
@@ -271,10 +284,10 @@ int paged_decode_##SUFFIX(const T *q, const T *cache, T *out, const int64_t *blo
         } else {                                                                                  \
             for (int64_t i = 0; i < num_heads * chunks; i++) qv[i] = LOAD(q + first + i * LANES); \
             switch (chunks * 100 + group) {                                                       \
-            SEQ_CASE(SUFFIX, 4, 1) SEQ_CASE(SUFFIX, 4, 2) SEQ_CASE(SUFFIX, 4, 3)                  \
-            SEQ_CASE(SUFFIX, 4, 4) SEQ_CASE(SUFFIX, 4, 8)                                         \
-            SEQ_CASE(SUFFIX, 8, 1) SEQ_CASE(SUFFIX, 8, 2) SEQ_CASE(SUFFIX, 8, 4)                  \
-            SEQ_CASE(SUFFIX, 8, 8)                                                                \
+            SEQ_CASE(SUFFIX, CH64, 1) SEQ_CASE(SUFFIX, CH64, 2) SEQ_CASE(SUFFIX, CH64, 3)         \
+            SEQ_CASE(SUFFIX, CH64, 4) SEQ_CASE(SUFFIX, CH64, 8)                                   \
+            SEQ_CASE(SUFFIX, CH128, 1) SEQ_CASE(SUFFIX, CH128, 2) SEQ_CASE(SUFFIX, CH128, 4)      \
+            SEQ_CASE(SUFFIX, CH128, 8)                                                            \
             default: /* other shapes: the same code, not unrolled */                              \
                 seq_##SUFFIX(qv, cache, v_cache, table, context, block_size, num_kv_heads, group, \
                              chunks, scale, scores, pad, acc);                                    \
