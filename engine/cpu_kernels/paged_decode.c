@@ -16,10 +16,10 @@
  * AVX-512, else 8, one AVX2 register (16-float vectors on AVX2 were split through memory and
  * general registers: 118 us a layer at a 130-token context on the 2-core EPYC without AVX-512,
  * 1.39 ms at 2048). The lanes split a head's dot products, so the last bits of a sum depend on
- * LANES. head_dim must be a multiple of 16 up to 256 (64 and 128 get their own unrolled
- * copies), group at most MAX_GROUP and the query heads at most MAX_HEADS; the caller checks that, the shapes and the block ids (paged_attention.py), and the
- * kernel trusts them. Returns 0, or -1 when its buffers cannot be allocated. A sequence with
- * context 0 gets zeros.
+ * LANES. head_dim must be a multiple of 16 up to 256 (64 and 128 get their own unrolled copies),
+ * group at most MAX_GROUP and the query heads at most MAX_HEADS; the caller checks that, the
+ * shapes and the block ids (paged_attention.py), and the kernel trusts them. Returns 0, or -1
+ * when its buffers cannot be allocated. A sequence with context 0 gets zeros.
  *
  * Built by loader.py with the host's C compiler, without -ffast-math or -fassociative-math: the
  * first flushes denormals for the whole process, the second may fold vexp's rounding trick.
