@@ -162,7 +162,7 @@ def main() -> None:
         "matmul); C int8 act: the same weights with x quantized per group of 32 as llama.cpp does, integer dot "
         "products, every batch size in the kernel; torch int4: _weight_int4pack_mm_for_cpu; dense bf16: "
         "oneDNN-packed weights of the same values",
-        f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (1 for steps of <= 4 tokens, the "
+        f"- engine: EngineCore of the default Q4_1 GGUF in bfloat16, 2 threads (steps of <= 4 tokens too: the "
         f"default --decode-threads), prompts of 128 random tokens, {new_tokens} new tokens each, all added at once; "
         "median of the steps in which every request decodes",
         f"- head: the default model's {HEAD[0]} x {HEAD[1]} output projection as Q8_0 blocks (random), 2 threads, "

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.openmp import one_openmp_thread_here
 from engine.thread_priority import lower_thread_priority
 from kv_transfer.base import KVReceiver, ReceivedKV, TransferHeader, TransferResult
 from kv_transfer.packing import block_index, unpack_blocks, unpack_layer
@@ -194,6 +195,7 @@ class KVImporter:
     # ---------------------------------------------------------- import thread
     def _run(self) -> None:
         lower_thread_priority(self._nice)
+        one_openmp_thread_here()  # unpacking must not start a second OpenMP pool (engine.openmp)
         while not self._stop.is_set():
             self._receiver.wait(WAIT_S)
             for received in self._receiver.poll():

@@ -81,8 +81,8 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads for this process; None: all cores of the host."""
     decode_threads: int | None = None
-    """torch intra-op threads for a step of at most 4 tokens (decode at batch 1-4); None: 1.
-    Prefill and larger batches use num_threads (engine.device.StepThreads says why)."""
+    """torch intra-op threads for a step of at most 4 tokens (decode at batch 1-4); None:
+    num_threads, as prefill and larger batches use (engine.device.StepThreads)."""
     engine_nice: int | None = None
     """Nice steps the engine loop thread (and the torch threads it starts) runs below the rest of
     its process (Linux; 0-19). On CPU a step holds a core for tens of milliseconds, and the

@@ -60,20 +60,20 @@ SMALL_STEP_TOKENS = 4
 @dataclass(frozen=True)
 class StepThreads:
     """Intra-op threads per engine step: `small` for a step of at most `small_tokens` tokens
-    (decode at batch 1-4), `full` for the rest (prefill chunks, larger batches).
+    (decode at batch 1-4), `full` for the rest (prefill chunks, larger batches). By default
+    both are every thread; --decode-threads gives small steps fewer (a host whose cores the
+    router and clients share can prefer that).
 
-    Why: a batch-1 step is ~120 small ops whose matmuls are tens of microseconds; with two OpenMP
-    threads every op ends in a barrier, and on a host whose cores are shared (router, Redis,
-    client, the worker's gRPC threads) that barrier waits for a preempted thread. Measured on the
-    2-core EPYC, served batch 1 (--quantization gguf): 36 ms/token with 2 threads, 24 ms with 1;
-    in-process the second thread bought nothing (22 vs 22.7 ms). Prefill keeps every thread.
+    A batch-1 step is ~120 OpenMP regions of tens of microseconds each, so it pays for every
+    wake-up of a helper thread. Until 2026-11-28 the default was one thread for small steps:
+    served, two threads measured 36 ms/token against 24 on one (2026-11-27), but the cause was
+    a second OpenMP pool in the worker, which keeps helpers from spinning between regions
+    (engine.openmp). With one pool, on the 2-core EPYC, served colocated batch-1 decode
+    (--quantization gguf --int4-activations int8): 7.2-8.2 ms/token on two threads against
+    9.3-9.4 on one; 8 streams of short chats the same on both (24-27 ms mean ITL).
     Switching re-forms the thread team (milliseconds), so the runner switches only when the kind
-    of step changes, not every step.
-
-    The C int4/Q8_0 kernel (engine.cpu_kernels.int4_matmul) follows the same setting. It is one
-    OpenMP region a call (120 a token), and in-process two threads made the batch-1 step ~15 ms
-    against ~20; served (colocated, 2 cores), they made it 20-23 ms against 14-17 on one.
-    Measured 2026-11-27."""
+    of step changes, not every step. The C int4/Q8_0 kernels (engine.cpu_kernels.int4_matmul)
+    follow the same setting: one region a call, on the calling thread's team."""
 
     full: int
     small: int
@@ -88,8 +88,9 @@ class StepThreads:
 
     @classmethod
     def resolve(cls, threads: int, decode_threads: int | None) -> "StepThreads":
-        """`threads` as set_num_threads chose them; decode_threads None: one thread for small steps."""
-        return cls(full=threads, small=min(threads, decode_threads or 1))
+        """`threads` as set_num_threads chose them; decode_threads None: every thread for small
+        steps too."""
+        return cls(full=threads, small=min(threads, decode_threads or threads))
 
 
 def memory_for_share(device: torch.device, weights: int) -> int:

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.openmp import one_openmp_thread_here
 from engine.thread_priority import start_at_process_priority
 from kv_transfer.base import (
     ChannelAddress,
@@ -94,6 +95,7 @@ class LocalSender(KVSender):
             threading.Thread(target=self._gather, args=(feed,), name=f"kv-local-{ticket}", daemon=True))
 
     def _gather(self, feed: LayerFeed, timeout_s: float = 30.0) -> None:
+        one_openmp_thread_here()  # engine.openmp: no second OpenMP pool beside the engine loop's
         header, start = feed.header, time.perf_counter()
         payload = empty_payload(header)
         try:

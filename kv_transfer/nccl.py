@@ -42,4 +42,5 @@ class NcclBackend(TorchDistBackend):
         return device
 
     def prepare_thread(self) -> None:
+        super().prepare_thread()
         torch.cuda.set_device(torch.device(self.config.device))

@@ -12,6 +12,7 @@ from abc import abstractmethod
 import torch
 from torch.distributed import ProcessGroup, Store
 
+from engine.openmp import one_openmp_thread_here
 from kv_transfer.base import ChannelAddress, KVTransferBackend, TransferConfig
 from kv_transfer.torch_dist_receiver import TorchDistReceiver
 from kv_transfer.torch_dist_sender import TorchDistSender
@@ -44,4 +45,6 @@ class TorchDistBackend(KVTransferBackend):
         copied there on the channel's thread); raises ValueError when it cannot send it."""
 
     def prepare_thread(self) -> None:
-        """Called first on every channel thread (NCCL: select the device)."""
+        """Called first on every channel thread: one OpenMP thread (engine.openmp: the engine
+        loop's pool is the process's only one); NCCL also selects the device."""
+        one_openmp_thread_here()

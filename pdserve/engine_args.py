@@ -69,7 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most long prompts computed at once; past it, short prompts are admitted first")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--decode-threads", type=int, default=None,
-                   help="torch threads for decode steps of at most 4 tokens (default: 1; prefill uses --num-threads)")
+                   help="torch threads for decode steps of at most 4 tokens (default: --num-threads, as prefill)")
     g.add_argument("--engine-nice", type=int, default=None,
                    help="nice steps (0-19) the engine thread runs below the threads that stream tokens "
                         "(default: 10 on CPU, 0 on GPU)")

@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.openmp import build_on_passing_thread
 from proto.heap import settle_heap
 from proto.internal_auth import ClusterAuthServerInterceptor
 from proto.link import LinkServer
@@ -107,7 +108,9 @@ class WorkerProcess:
         drain, 1 when a second signal cut it short, 130 when interrupted while loading:
         nothing was registered yet, so there is nothing to drain)."""
         try:
-            self.worker = self.role.build(self.spec, self._secret)
+            # The build's OpenMP pool ends with its thread: the engine loop's is then the only
+            # one, and its helpers spin between a step's regions (engine.openmp).
+            self.worker = build_on_passing_thread(lambda: self.role.build(self.spec, self._secret))
         except KeyboardInterrupt:
             logger.info("%s worker interrupted while starting", self.spec.role)
             return 130

@@ -1,4 +1,4 @@
-"""Decode steps of a few tokens run on fewer intra-op threads than prefill (engine.device.StepThreads)."""
+"""Decode steps of a few tokens can run on fewer intra-op threads than prefill (engine.device.StepThreads)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from tests.tiny_model import tiny_llm, write_tiny_model
 
 
 def test_small_steps_get_the_decode_threads_and_larger_ones_every_thread():
-    threads = StepThreads.resolve(threads=2, decode_threads=None)
+    assert StepThreads.resolve(threads=2, decode_threads=None) == StepThreads(full=2, small=2)  # default
+    threads = StepThreads.resolve(threads=2, decode_threads=1)
     assert threads == StepThreads(full=2, small=1, small_tokens=4)
     assert [threads.for_step(n) for n in (1, 4, 5, 2048)] == [1, 1, 2, 2]
     assert StepThreads.resolve(threads=1, decode_threads=3).small == 1  # never more than num_threads
@@ -24,7 +25,8 @@ def test_small_steps_get_the_decode_threads_and_larger_ones_every_thread():
 def test_the_runner_switches_threads_when_the_kind_of_step_changes(tmp_path: Path):
     before = torch.get_num_threads()
     try:
-        llm = tiny_llm(write_tiny_model(tmp_path / "tiny"), num_threads=2, enable_prefix_caching=False)
+        llm = tiny_llm(write_tiny_model(tmp_path / "tiny"), num_threads=2, decode_threads=1,
+                       enable_prefix_caching=False)
         engine = llm.engine
         engine.add_request("a", list(range(100, 120)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         seen = []
