@@ -68,9 +68,12 @@ class ServingLoop:
         """Any thread; never waits for the loop."""
         return LoopProgress(self._thread.is_alive(), self._progress_at, self.steps)
 
-    def add_poll_hook(self, hook: Callable[[], None]) -> None:
-        """Run `hook` on the loop thread every iteration (e.g. poll KV transfers)."""
-        self.submit(lambda: self._poll_hooks.append(hook)).result()
+    def add_poll_hook(self, hook: Callable[[], None]) -> Future[None]:
+        """Run `hook` on the loop thread every iteration (e.g. poll KV transfers), from the
+        loop's next iteration on: commands run before hooks and steps, so it is in place before
+        the next step. Never waits for the loop (an asyncio caller must not block on a step in
+        progress); the future is done once the hook is in place."""
+        return self.submit(lambda: self._poll_hooks.append(hook))
 
     def submit(self, command: Callable[[], T]) -> Future[T]:
         """Run `command(core)`-style work on the loop thread; the future holds its result."""
