@@ -2,26 +2,67 @@
 
 Starlette's StreamingResponse finds out about a disconnect only when a write fails (ASGI spec
 2.4) or cancels the body task without closing the iterator (older servers), so a backend could
-keep generating for nobody. This response writes the lines in one task and listens for
-`http.disconnect` in another; whichever ends first, it cancels the writer and then closes the
-lines and the source, shielded from cancellation, so the backend always hears the abort.
+keep generating for nobody. This response writes the lines in the handler's own task while a
+watcher task listens for `http.disconnect` and cancels the writing when it comes
+(`until_disconnect`); either way it then closes the lines and the source, shielded from
+cancellation, so the backend always hears the abort.
+
+The work stays in the handler's task rather than a task of its own: a token that arrives goes
+on to the client in the same loop pass, where a task of its own reached its waiter a pass or
+two later, each a pass over every other stream's tokens under load.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.serving.fanout import run_shielded
 
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
 
 async def wait_for_disconnect(receive: Receive) -> None:
     """Return once the client has gone (the request body must have been read already)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work` in the calling task; if the client leaves first, a watcher cancels the task
+    there (`work` sees CancelledError, as a task of its own would) and ClientDisconnected is
+    raised. A cancel from elsewhere (the server stopping) propagates unchanged."""
+    caller = asyncio.current_task()
+    assert caller is not None, "until_disconnect runs in a task"
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await wait_for_disconnect(receive)
+        left = True
+        caller.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        caller.uncancel()
+        raise ClientDisconnected() from None
+    finally:
+        watcher.cancel()
+    if left:  # `work` swallowed the watcher's cancel and ended: its result still counts
+        caller.uncancel()
+    return result
 
 
 class EventStreamResponse(Response):
@@ -43,19 +84,12 @@ class EventStreamResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = asyncio.ensure_future(self._write(send))
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await until_disconnect(receive, self._write(send))
+        except (ClientDisconnected, OSError):  # OSError: a write found the client gone
+            pass
         finally:
-            for task in (writer, watcher):
-                task.cancel()
-            await asyncio.gather(writer, watcher, return_exceptions=True)
             await run_shielded(self._close())
-        if writer.done() and not writer.cancelled():
-            error = writer.exception()
-            if error is not None and not isinstance(error, OSError):  # OSError: client gone
-                raise error
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

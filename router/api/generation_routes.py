@@ -12,10 +12,8 @@ every refusal (content type, JSON, validation) keeps the one shape FastAPI's han
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
 
 import orjson
 from pydantic import ValidationError
@@ -23,7 +21,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.api.event_stream import EventStreamResponse, wait_for_disconnect
+from router.api.event_stream import ClientDisconnected, EventStreamResponse, until_disconnect
 from router.api.http_guards import error_response, replay_body
 from router.api.openai_encode import (
     TOKEN_TIMES_HEADER, ChatChunks, ChunkEncoder, CompletionChunks, WithTokenTimes, chat_body, completion_body,
@@ -37,15 +35,10 @@ __all__ = ["CLIENT_CLOSED_REQUEST", "ClientDisconnected", "GenerationFastPath", 
            "completion", "is_json", "PATH_HEADER", "ROUTE_HEADER"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 PATH_HEADER = "x-pdserve-path"
 ROUTE_HEADER = "x-pdserve-route"
 # Not an HTTP standard: nginx's "client closed request", logged when a client leaves mid-way.
 CLIENT_CLOSED_REQUEST = 499
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready."""
 
 
 def is_json(content_type: str | None) -> bool:
@@ -59,9 +52,9 @@ async def completion(service: RouterService, body: CompletionRequest, request_id
     """POST /v1/completions: an SSE stream or one JSON body. Raises RouterError, ClientDisconnected."""
     ids = bool(body.return_token_ids)
     if body.stream:
-        stream = await _unless_disconnected(receive, service.stream_complete(body, request_id))
+        stream = await until_disconnect(receive, service.stream_complete(body, request_id))
         return _event_stream(stream, _token_times(headers, CompletionChunks(stream, ids)))
-    result = await _unless_disconnected(receive, service.complete(body, request_id))
+    result = await until_disconnect(receive, service.complete(body, request_id))
     return FastJSONResponse(completion_body(result, ids), headers=_path_headers(result.head))
 
 
@@ -70,9 +63,9 @@ async def chat_completion(service: RouterService, body: ChatCompletionRequest, r
     """POST /v1/chat/completions (see completion)."""
     ids = bool(body.return_token_ids)
     if body.stream:
-        stream = await _unless_disconnected(receive, service.stream_chat(body, request_id))
+        stream = await until_disconnect(receive, service.stream_chat(body, request_id))
         return _event_stream(stream, _token_times(headers, ChatChunks(stream, ids)))
-    result = await _unless_disconnected(receive, service.chat(body, request_id))
+    result = await until_disconnect(receive, service.chat(body, request_id))
     return FastJSONResponse(chat_body(result, ids), headers=_path_headers(result.head))
 
 
@@ -104,22 +97,6 @@ def _path_headers(head: ResponseHead) -> dict[str, str]:
 
 def _event_stream(stream: ResponseStream, chunks: ChunkEncoder) -> EventStreamResponse:
     return EventStreamResponse(sse_lines(stream, chunks), stream.aclose, headers=_path_headers(stream.head))
-
-
-async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (the service then aborts the backend) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
 
 
 # ------------------------------------------------------------------ the fast path
