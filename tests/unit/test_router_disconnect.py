@@ -101,3 +101,51 @@ def test_a_started_stream_closed_without_being_read_aborts_the_backend():
 
     asyncio.run(go())
     assert backend.aborted == ["b1-0"]
+
+
+def test_until_disconnect_runs_the_work_in_the_callers_task_and_turns_a_departure_into_client_disconnected():
+    from router.api.event_stream import ClientDisconnected, until_disconnect
+
+    async def go() -> None:
+        left = asyncio.Event()
+        seen: list[object] = []
+
+        async def receive() -> dict:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def work(result: str) -> str:
+            seen.append(asyncio.current_task())
+            return result
+
+        caller = asyncio.current_task()
+        assert await until_disconnect(receive, work("done")) == "done"
+        assert seen == [caller]  # no task of its own: the result is on hand in the same pass
+
+        async def forever() -> None:
+            try:
+                left.set()
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        try:
+            await until_disconnect(receive, forever())
+        except ClientDisconnected:
+            seen.append("disconnected")
+        assert seen[1:] == ["cancelled", "disconnected"]
+        assert caller.cancelling() == 0  # the watcher's cancel is not left on the task
+
+        # a cancel from elsewhere (the server stopping) stays a cancel
+        left.clear()
+        task = asyncio.ensure_future(until_disconnect(receive, asyncio.sleep(60)))
+        await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert task.cancelled()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=5))
