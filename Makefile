@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit

@@ -149,3 +149,23 @@ def test_until_disconnect_runs_the_work_in_the_callers_task_and_turns_a_departur
         assert task.cancelled()
 
     asyncio.run(asyncio.wait_for(go(), timeout=5))
+
+
+def test_until_disconnect_with_a_broken_receive_finishes_the_work_and_logs_nothing(caplog):
+    from router.api.event_stream import until_disconnect
+
+    async def go() -> str:
+        async def receive() -> dict:
+            raise OSError("connection reset")
+
+        async def work() -> str:
+            await asyncio.sleep(0.01)
+            return "done"
+
+        return await until_disconnect(receive, work())
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        assert asyncio.run(asyncio.wait_for(go(), timeout=5)) == "done"
+        import gc
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
