@@ -2,6 +2,7 @@
 cores) on this machine, under steady short chats with and without bursts of long prompts.
 
     .venv/bin/python benchmarks/disagg_vs_colocated.py [--quick] [--dtype auto|bfloat16|float32]
+                        [--quantization auto|none|gguf|int8|int4] [--int4-activations bfloat16|int8]
                         [--repeat 3] [--setups disaggregated,colocated,...]
                         [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--no-results]
 
@@ -337,6 +338,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    parser.add_argument("--quantization", choices=("auto", "none", "gguf", "int8", "int4"), default="auto",
+                        help="the workers' --quantization (auto: dense on a CPU without AVX512-BF16)")
+    parser.add_argument("--int4-activations", choices=("bfloat16", "int8"), default="bfloat16",
+                        help="the workers' --int4-activations (int8: the C int4 kernel's path on an AVX2 CPU)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of both phases per setup (spread reported)")
     parser.add_argument("--setups", default="", help="comma-separated subset of the setups to run (default: all)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -347,7 +352,8 @@ def main() -> int:
     args = parser.parse_args()
     exit_on_sigterm()
     load, slo = (QUICK if args.quick else FULL), (args.slo_ttft_ms, args.slo_tpot_ms)
-    engine_flags = ["--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN)]
+    engine_flags = ["--dtype", args.dtype, "--quantization", args.quantization,
+                    "--int4-activations", args.int4_activations, "--max-model-len", str(MAX_MODEL_LEN)]
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-disagg-vs-colocated-"))
     print(f"work dir (logs, bench JSON): {workdir}", flush=True)
     all_layouts = layouts()
@@ -372,7 +378,9 @@ def main() -> int:
     importlib.import_module("torch")  # only so that the results header lists its version
 
     body = "\n".join([markdown_table(headers, table), "", *goals, "", "Method:", "", *method])
-    path = append_results(f"disagg_vs_colocated ({args.dtype})", body)
+    title = args.dtype if (args.quantization, args.int4_activations) == ("auto", "bfloat16") else (
+        f"{args.dtype}, --quantization {args.quantization}, --int4-activations {args.int4_activations}")
+    path = append_results(f"disagg_vs_colocated ({title})", body)
     print(f"\nappended to {path}")
     return 0
 

@@ -12,6 +12,9 @@ the stream and yields the first of the two, exactly once:
                    is tried);
   reply first   -> the stream's position-0 token, when it comes, is dropped (by position,
                    never by value: a model may repeat a token);
+  the stream ends the request first (a tokenless "abort": the decode worker's ticket expired
+                   before the KV came) -> the Prefill call is cancelled and the request falls
+                   back as when every prefill worker failed;
   a decode worker that does not stream it (an older one) -> the reply, as before.
 
 The stream's last delta does not wait for the late Prefill reply either: its tokens go at
@@ -91,6 +94,12 @@ def _stream_first(read: asyncio.Task, prefill: asyncio.Task, settled: asyncio.Ev
     if event is grpc.aio.EOF or not event.HasField("tokens"):
         prefill.cancel()
         raise WorkerFailure("the decode worker ended the stream before the first token")
+    if not event.tokens.token_ids:
+        # The decode worker ended the request before its KV came ("abort": the ticket expired
+        # while the prefill was queued, or the import failed): no KV can land there now, so the
+        # Prefill call is stopped and the request falls back as if it had failed.
+        prefill.cancel()
+        return FirstToken(None)
     settled.set()
     return FirstToken(to_delta(event), from_stream=True, prefill=prefill)
 

@@ -30,8 +30,8 @@ class Decode(worker_pb2_grpc.DecodeWorkerServicer):
     for the Prefill reply and streams TOKENS[1:] (an older worker)."""
 
     def __init__(self, kv_in: asyncio.Event, replied: asyncio.Event, early: bool,
-                 first_after_reply: bool = False, rest_before_reply: bool = False) -> None:
-        self.kv_in, self.replied, self.early = kv_in, replied, early
+                 first_after_reply: bool = False, rest_before_reply: bool = False, expire: bool = False) -> None:
+        self.kv_in, self.replied, self.early, self.expire = kv_in, replied, early, expire
         self.first_after_reply = first_after_reply
         self.rest_before_reply = rest_before_reply
         self.requests: list[worker_pb2.DecodeRequest] = []
@@ -48,6 +48,9 @@ class Decode(worker_pb2_grpc.DecodeWorkerServicer):
         yield worker_pb2.DecodeEvent(ticket=worker_pb2.Ticket(
             ticket_id=5, decode_worker_id="d1", num_cached_tokens=16, num_blocks=1,
             first_token_on_stream=streams))
+        if self.expire:  # the ticket's deadline passed before the KV came: the worker ends it
+            yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenChunk(finish_reason="abort", stop_token_id=-1))
+            return
         await self.kv_in.wait()
         if streams:
             if self.first_after_reply:
@@ -105,9 +108,9 @@ class Cluster:
     """One decode double and two prefill doubles on real gRPC servers, and a ClusterBackend."""
 
     def __init__(self, early: bool = True, fail: bool = False, first_after_reply: bool = False,
-                 rest_before_reply: bool = False) -> None:
+                 rest_before_reply: bool = False, expire: bool = False) -> None:
         self.kv_in, self.replied, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.decode = Decode(self.kv_in, self.replied, early, first_after_reply, rest_before_reply)
+        self.decode = Decode(self.kv_in, self.replied, early, first_after_reply, rest_before_reply, expire)
         self.prefill = Prefill(self.kv_in, self.replied, self.release, fail)
         self.spare = Prefill(asyncio.Event(), asyncio.Event(), self.release, fail)
         self.servers: list[grpc.aio.Server] = []
@@ -305,3 +308,22 @@ def test_every_prefill_failing_before_a_token_falls_back_to_the_decode_worker_an
     assert (first.path, first.route.fallback, first.route.prefill_id) == ("colocated", "prefill_failed", None)
     assert (first.trace.route.fallback, first.trace.route.prefill_id) == ("prefill_failed", None)
     assert list(first.trace.marks) == ["backend_start", "reserve_start", "ticket", "first_token"]
+
+
+def test_a_ticket_the_decode_worker_expired_before_the_kv_came_falls_back_to_its_own_prefill():
+    """The stream's tokenless "abort" (the ticket's deadline passed while the prefill was still
+    queued) is no first token: the client once got a 200 stream with no token and finish_reason
+    abort. Now the Prefill call is cancelled and the decode worker prefills the request itself."""
+    async def run():
+        cluster = Cluster(early=True, expire=True)  # the prefill never replies (release unset)
+        backend = await cluster.start()
+        deltas = await asyncio.wait_for(_deltas(backend.generate(_request())), 10)
+        await cluster.stop()
+        return cluster, backend, deltas
+
+    cluster, backend, deltas = asyncio.run(run())
+    assert [d.token_ids for d in deltas] == [(7,), (7,), (9,)]
+    assert deltas[-1].finish_reason == "length"
+    assert [r.local_prefill for r in cluster.decode.requests] == [False, True]
+    assert dict(backend.fallbacks) == {"prefill_failed": 1}
+    assert (deltas[0].path, deltas[0].route.fallback) == ("colocated", "prefill_failed")
