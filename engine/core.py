@@ -155,15 +155,15 @@ class EngineCore:
         """The last step had work but could schedule none of it (e.g. every free block is
         reserved for KV in flight): the caller should wait for a change, not spin."""
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            self.kv, config.max_num_seqs, config.step_tokens, self.max_model_len,
             hold_finished_blocks=hold_finished_blocks, swap=SwapPool(num_swap_blocks),
             long_prefill_token_threshold=config.long_prefill_token_threshold or 0,
             max_long_partial_prefills=config.max_long_partial_prefills,
         )
         if config.long_prefill_token_threshold:
             logger.info("long prompts (over %d tokens): chunks of %d tokens, at most %d at once; shorter prompts "
-                        "may go ahead of them", config.long_prefill_token_threshold,
-                        config.long_prefill_token_threshold, config.max_long_partial_prefills)
+                        "may go ahead of them; steps of at most %d tokens", config.long_prefill_token_threshold,
+                        config.long_prefill_token_threshold, config.max_long_partial_prefills, config.step_tokens)
 
     def _cpu_decode_kernel(self, kv_dtype: torch.dtype) -> PagedDecodeKernel | None:
         """The C decode attention kernel when this engine runs on CPU, wants it and it takes the

@@ -60,11 +60,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=0,
                    help="GiB of host memory per worker for swapped-out KV blocks (0: preempt by recompute)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one engine step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens in one engine step (chunked prefill)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one engine step (chunked prefill; default: 512 on a CPU prefill worker, "
+                        "else 2048)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="prompts longer than this are computed in chunks of at most this many tokens, and short "
-                        "prompts may go ahead of them (0: off; default: 256 on a prefill worker, else 0)")
+                        "prompts may go ahead of them (0: off; default on a prefill worker: 128 on CPU, 256 on "
+                        "GPU; else 0)")
     g.add_argument("--max-long-partial-prefills", type=int, default=1,
                    help="most long prompts computed at once; past it, short prompts are admitted first")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")

@@ -239,7 +239,7 @@ def estimate_pd(
     config: EngineConfig,
 ) -> PDEstimate:
     flops_per_token = 2 * spec.num_params
-    step_tokens = config.max_num_batched_tokens
+    step_tokens = config.step_tokens
     prefill_s, prefill_bound = _roofline(step_tokens * flops_per_token, weights, device)
     request_tokens = min(math.ceil(traffic.mean_len), capacity.max_model_len)
     blocks_per_request = -(-request_tokens // capacity.block_size)

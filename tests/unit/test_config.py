@@ -11,7 +11,8 @@ from engine.config import EngineConfig
 
 def test_defaults_are_valid_and_follow_vllm():
     config = EngineConfig()
-    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 256, 2048)
+    assert (config.block_size, config.max_num_seqs, config.step_tokens) == (16, 256, 2048)
+    assert config.max_num_batched_tokens is None  # the role decides (a CPU prefill worker: 512)
     assert (config.dtype, config.kv_cache_dtype, config.device) == ("auto", "auto", "auto")
     assert config.enable_prefix_caching is True
     assert config.max_model_len is None
@@ -117,6 +118,20 @@ def test_a_prefill_worker_caps_long_prompts_by_default_and_an_explicit_setting_w
     from engine.config import PREFILL_LONG_PREFILL_TOKENS
 
     assert EngineConfig().long_prefill_token_threshold is None  # the role decides
-    assert EngineConfig().for_prefill_worker().long_prefill_token_threshold == PREFILL_LONG_PREFILL_TOKENS == 256
-    assert EngineConfig(long_prefill_token_threshold=0).for_prefill_worker().long_prefill_token_threshold == 0
-    assert EngineConfig(long_prefill_token_threshold=1024).for_prefill_worker().long_prefill_token_threshold == 1024
+    gpu = EngineConfig().for_prefill_worker(on_cpu=False)
+    assert (gpu.long_prefill_token_threshold, gpu.step_tokens) == (PREFILL_LONG_PREFILL_TOKENS, 2048) == (256, 2048)
+    for on_cpu in (True, False):
+        assert EngineConfig(long_prefill_token_threshold=0).for_prefill_worker(on_cpu).long_prefill_token_threshold == 0
+        assert EngineConfig(long_prefill_token_threshold=1024).for_prefill_worker(
+            on_cpu).long_prefill_token_threshold == 1024
+        assert EngineConfig(max_num_batched_tokens=4096).for_prefill_worker(on_cpu).step_tokens == 4096
+
+
+def test_a_cpu_prefill_worker_takes_smaller_chunks_and_steps():
+    from engine.config import CPU_PREFILL_BATCHED_TOKENS, CPU_PREFILL_LONG_PREFILL_TOKENS
+
+    cpu = EngineConfig(device="cpu").for_prefill_worker()  # the device resolves to the CPU
+    assert (cpu.long_prefill_token_threshold, cpu.max_num_batched_tokens) == (
+        CPU_PREFILL_LONG_PREFILL_TOKENS, CPU_PREFILL_BATCHED_TOKENS) == (128, 512)
+    assert EngineConfig(device="cpu").step_tokens == 2048  # other roles keep vLLM's budget
+    assert EngineConfig(max_num_batched_tokens=256).for_prefill_worker(on_cpu=True).long_prefill_token_threshold == 128
