@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks.burst_gaps import CLASSES, gap_classes  # noqa: E402
+from benchmarks.burst_gaps import BIG_BATCH, CLASSES, batch_summary, gap_classes  # noqa: E402
 from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
 from benchmarks.peers.servers import (  # noqa: E402
     HOST, Processes, Server, exit_on_sigterm, finish_bench, free_port, http_ok, pdserve_command, pinned_cores,
@@ -304,6 +304,12 @@ def gap_lines(results: dict[str, list[Phases]]) -> list[str]:
             parts.append(f"{cls}: {spread(shares, '{:.0f}')}% of gaps, {ratio}")
         lines.append(f"- {name}, the bursts phase's short-chat gaps by what the long prompts were doing "
                      f"(min / med / max over rounds): " + "; ".join(parts))
+        batches = batch_summary([p.steady for p in rounds], [(p.bursts_short, p.bursts_long) for p in rounds])
+        same = ", ".join(f"{n}: {r:.2f}x" for n, r in batches.median_ratios) or "no batch size with enough gaps"
+        lines.append(f"- {name}, gaps by the decode batch they fell in (rounds pooled): median gap with bursts / "
+                     f"steady at the same number of short chats decoding and no long prompt: {same}; gaps in "
+                     f"batches of {BIG_BATCH} or more short chats: {batches.big_steady * 100:.0f}% steady, "
+                     f"{batches.big_bursts * 100:.0f}% with bursts")
     return lines
 
 
@@ -326,6 +332,9 @@ def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], 
         "long prompt's decode (its first token -> its last: in the same decode batch) is `long decoding`; else one "
         "overlapping a long prompt's prefill (sent -> first token: its KV computed, sent and written) is `long "
         "arriving`; else `neither`",
+        "- gaps by decode batch (benchmarks/burst_gaps.py): each gap counted under the short chats and long prompts "
+        "decoding (first token -> last token) at its midpoint; a batch size is compared when it has "
+        "at least 20 gaps in both phases",
         "- load: `pdserve bench " + " ".join(COMMON) + " --base-url URL <stream flags>`; one untimed warm-up "
         "per setup (2 long + 2 short prompts, other seeds)",
         "- sessions: " + ("each process in a session of its own (--own-sessions)" if own_sessions else

@@ -32,5 +32,6 @@ def test_the_bursts_benchmark_measures_both_setups_in_a_quick_run():
         assert row[-1] == "0/0/0", out[-3000:]  # failed: steady / short chats with bursts / the bursts
     assert "goal disaggregated ITL p99 with bursts <= 1.2x steady: median" in out, out[-3000:]
     assert "the bursts phase's short-chat gaps by what the long prompts were doing" in out, out[-3000:]
+    assert "gaps by the decode batch they fell in (rounds pooled)" in out, out[-3000:]
     assert "RESULTS.md left alone" in out, out[-3000:]
     assert "--dtype bfloat16 --quantization gguf --int4-activations int8" in out, out[-3000:]

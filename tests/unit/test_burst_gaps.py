@@ -57,10 +57,45 @@ def test_the_disagg_benchmark_reports_each_class_against_the_rounds_steady_p99()
 
     long = bench_json([10.0], [1.0], [2.0])  # arriving 10-11, decoding 11-12
     short = bench_json([9.0], [0.5], [4.0], itls=[[0.04] * 10 + [0.5, 0.06] + [0.02] * 10])
-    rounds = [Phases({"p99_itl_ms": 20.0}, short, long), Phases({"p99_itl_ms": 40.0}, short, long)]
-    [line] = gap_lines({"disaggregated": rounds})
+    rounds = [Phases({**short, "p99_itl_ms": 20.0}, short, long), Phases({**short, "p99_itl_ms": 40.0}, short, long)]
+    line, batches = gap_lines({"disaggregated": rounds})
     assert line.startswith("- disaggregated, the bursts phase's short-chat gaps")
     # 9.5-9.9 neither (10 gaps of 40 ms), 9.9-10.66 arriving (12 gaps), none reaches the decode window
     assert "long decoding: 0 / 0 / 0% of gaps, no gaps" in line
     assert "long arriving: 55 / 55 / 55% of gaps" in line and "neither: 45 / 45 / 45% of gaps" in line
     assert "p99 1.00x / 1.50x / 2.00x steady" in line  # neither: 40 ms against 40 and 20 ms steady
+    # the same chat in both phases: one chat decoding, 44 gaps pooled over the two rounds in each
+    assert batches == ("- disaggregated, gaps by the decode batch they fell in (rounds pooled): median gap with "
+                       "bursts / steady at the same number of short chats decoding and no long prompt: 1: 1.00x; "
+                       "gaps in batches of 5 or more short chats: 0% steady, 0% with bursts")
+
+
+def test_gaps_are_grouped_by_the_decode_batch_at_their_midpoint():
+    from benchmarks.burst_gaps import by_batch
+
+    # chat A decodes 1.0-2.0, chat B 1.5-2.5; a long prompt decodes 1.8-3.0
+    short = bench_json([0.0, 0.0], [1.0, 1.5], [2.0, 2.5], itls=[[0.4, 0.6], [0.4, 0.6]])
+    long = bench_json([0.0], [1.8], [3.0])
+    groups = by_batch(short, long)
+    # A: 1.0-1.4 (mid 1.2: A alone), 1.4-2.0 (mid 1.7: A and B); B: 1.5-1.9 (mid 1.7), 1.9-2.5 (mid 2.2: B and the long)
+    assert {key: sorted(v) for key, v in groups.items()} == {
+        (1, 0): pytest.approx([0.4]), (2, 0): pytest.approx([0.4, 0.6]), (1, 1): pytest.approx([0.6])}
+    assert set(by_batch(short)) == {(1, 0), (2, 0)}  # no long prompts: the last gap is B's alone
+
+
+def test_batch_summary_compares_equal_batches_and_counts_bunches():
+    from benchmarks.burst_gaps import BIG_BATCH, MIN_GAPS, batch_summary
+
+    def chats(n: int, gap: float, count: int, start: float = 0.0) -> dict:
+        """n chats decoding together, `count` gaps of `gap` s each."""
+        return bench_json([start] * n, [1.0] * n, [1.0 + gap * count] * n, itls=[[gap] * count for _ in range(n)])
+
+    steady = chats(2, 0.010, MIN_GAPS)
+    calm_long = bench_json([100.0], [1.0], [2.0])  # decodes long after the chats
+    same = chats(2, 0.012, MIN_GAPS)  # the same batch, 1.2x slower
+    bunch = chats(BIG_BATCH, 0.030, 4, start=50.0)  # too few gaps to compare, but a bunch
+    merged = {key: same[key] + bunch[key] for key in same}
+    summary = batch_summary([steady], [(merged, calm_long)])
+    assert summary.median_ratios == (pytest.approx((2, 1.2)),)
+    assert summary.big_steady == 0.0
+    assert summary.big_bursts == pytest.approx(BIG_BATCH * 4 / (2 * MIN_GAPS + BIG_BATCH * 4))
