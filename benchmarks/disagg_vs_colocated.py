@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from benchmarks.burst_gaps import BIG_BATCH, CLASSES, batch_summary, gap_classes  # noqa: E402
+from benchmarks.burst_gaps import BIG_BATCH, CLASSES, MIN_GAPS, batch_summary, gap_classes  # noqa: E402
 from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
 from benchmarks.peers.servers import (  # noqa: E402
     HOST, Processes, Server, exit_on_sigterm, finish_bench, free_port, http_ok, pdserve_command, pinned_cores,
@@ -334,7 +334,7 @@ def method_lines(load: Load, slo: tuple[float, float], engine_flags: list[str], 
         "arriving`; else `neither`",
         "- gaps by decode batch (benchmarks/burst_gaps.py): each gap counted under the short chats and long prompts "
         "decoding (first token -> last token) at its midpoint; a batch size is compared when it has "
-        "at least 20 gaps in both phases",
+        f"at least {MIN_GAPS} gaps in both phases",
         "- load: `pdserve bench " + " ".join(COMMON) + " --base-url URL <stream flags>`; one untimed warm-up "
         "per setup (2 long + 2 short prompts, other seeds)",
         "- sessions: " + ("each process in a session of its own (--own-sessions)" if own_sessions else
