@@ -1,7 +1,7 @@
 """CPU decode attention: the C kernel (engine/cpu_kernels) against the torch path it replaced
 (gather the context's blocks, then SDPA), side by side in one run.
 
-    .venv/bin/python benchmarks/cpu_attention.py [--quick] [--no-results]
+    .venv/bin/python benchmarks/cpu_attention.py [--quick] [--no-results] [--baseline REV]
 
 Two parts, both on one torch thread (a decode worker's setting under load on this machine):
 
@@ -13,14 +13,21 @@ Two parts, both on one torch thread (a decode worker's setting under load on thi
 - engine: an EngineCore of the default model (bfloat16), the same decode batch stepped with the
   kernel and with the torch path: the median decode step of each mix of 2k-token and
   128-token prompts, 40 new tokens each.
+
+--baseline REV adds two columns to the kernel part: paged_decode.c as it was at the git
+revision REV, built with the same compiler and flags and called in turn with the other two, so
+a change to the kernel is measured against the code before it in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import ctypes
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +43,29 @@ CACHE_BLOCKS = 1456
 """Blocks per layer of a worker at --kv-cache-memory 512MiB with the default model."""
 
 
-def kernel_rows(contexts: list[int], batches: list[int], repeat: int) -> list[list[object]]:
+def baseline_kernel(rev: str, workdir: Path):
+    """paged_decode.c at git revision `rev`, built as the loader builds the current one."""
+    from engine.cpu_kernels import Loaded, PagedDecodeKernel
+    from engine.cpu_kernels.loader import CFLAGS, PAGED_DECODE, compiler
+
+    repo = Path(__file__).resolve().parent.parent
+    shown = subprocess.run(["git", "show", f"{rev}:engine/cpu_kernels/{PAGED_DECODE.file}"], cwd=repo,
+                           capture_output=True, text=True, timeout=30, check=False)
+    if shown.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: {shown.stderr.strip()}")
+    source, library = workdir / PAGED_DECODE.file, workdir / "baseline.so"
+    source.write_text(shown.stdout)
+    cc = compiler()
+    if cc is None:
+        raise SystemExit("--baseline: no C compiler")
+    built = subprocess.run([cc, *CFLAGS, *PAGED_DECODE.flags, "-o", str(library), str(source)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    if built.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: {cc} failed: {built.stderr.strip()[-2000:]}")
+    return PagedDecodeKernel(Loaded(ctypes.CDLL(str(library)), library))
+
+
+def kernel_rows(contexts: list[int], batches: list[int], repeat: int, baseline=None) -> list[list[object]]:
     from engine.cpu_kernels import load_decode_kernel
     from engine.model.attention import AttentionMetadata, DecodeGroup, paged_attention
 
@@ -60,6 +89,8 @@ def kernel_rows(contexts: list[int], batches: list[int], repeat: int) -> list[li
             slots = torch.zeros(batch, dtype=torch.int64)
             metas = {"torch": AttentionMetadata(slots, (group,), ()),
                      "kernel": AttentionMetadata(slots, (group,), (), kernel)}
+            if baseline is not None:
+                metas["baseline"] = AttentionMetadata(slots, (group,), (), baseline)
             times: dict[str, list[float]] = {name: [] for name in metas}
             for r in range(repeat + 1):  # the first round warms up
                 for name, meta in metas.items():
@@ -69,7 +100,11 @@ def kernel_rows(contexts: list[int], batches: list[int], repeat: int) -> list[li
                     if r:
                         times[name].append((time.perf_counter() - start) / LAYERS * 1e6)
             t, k = statistics.median(times["torch"]), statistics.median(times["kernel"])
-            rows.append([context, batch, f"{t:.0f}", f"{k:.0f}", f"{k / t:.2f}x"])
+            row: list[object] = [context, batch, f"{t:.0f}", f"{k:.0f}", f"{k / t:.2f}x"]
+            if baseline is not None:
+                b = statistics.median(times["baseline"])
+                row += [f"{b:.0f}", f"{k / b:.2f}x"]
+            rows.append(row)
     return rows
 
 
@@ -98,6 +133,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run; nothing is appended to RESULTS.md")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time paged_decode.c as it was at this git revision (kernel part)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.quick:
@@ -106,7 +143,11 @@ def main() -> None:
         contexts, batches, repeat = [128, 512, 2048], [1, 8], args.repeat
         mixes, long_len, new_tokens = [(0, 5), (1, 4), (3, 4)], 2000, 40
     k_headers = ["context", "batch", "torch path us/layer", "C kernel us/layer", "kernel / torch"]
-    k_rows = kernel_rows(contexts, batches, repeat)
+    with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as workdir:
+        baseline = baseline_kernel(args.baseline, Path(workdir)) if args.baseline else None
+        k_rows = kernel_rows(contexts, batches, repeat, baseline)
+    if baseline is not None:
+        k_headers += [f"{args.baseline} kernel us/layer", f"kernel / {args.baseline}"]
     e_headers = ["decode batch", "torch path step ms", "C kernel step ms", "kernel / torch"]
     e_rows = engine_rows(mixes, long_len, new_tokens)
     report_tables([(k_headers, k_rows), (e_headers, e_rows)], "cpu_attention (C decode kernel vs torch path)", [
@@ -116,6 +157,8 @@ def main() -> None:
         f"the layers called in turn so K and V come from memory; 1 torch thread; median of {repeat} rounds",
         "- torch path: the context's blocks gathered with index_select, then SDPA with the query heads of a KV head "
         "folded into its query axis (engine.model.attention._decode_group)",
+        *([f"- {args.baseline} kernel: engine/cpu_kernels/paged_decode.c at git revision {args.baseline}, built with "
+           "the loader's compiler and flags, called in turn with the other two in every round"] if args.baseline else []),
         f"- engine: EngineCore of the default model in bfloat16, 1 thread, random prompts, {new_tokens} new tokens "
         "each, all added at once; median of the steps in which every request decodes",
     ], write=not (args.quick or args.no_results))

@@ -28,6 +28,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MAX_GROUP 16
 #define MAX_HEADS 1024 /* query heads per sequence */
@@ -61,10 +64,19 @@ ALWAYS_INLINE vf load_f32(const float *p) {
     return v;
 }
 
+/* A bfloat16 is the top half of a float32: widen each to 32 bits and shift it up. GCC 12 builds
+ * __builtin_convertvector(vu16 -> vu32) from two 128-bit widenings, a shuffle and an insert (6
+ * instructions where one widening load and a shift do), so x86 gets the intrinsic. */
 ALWAYS_INLINE vf load_bf16(const uint16_t *p) {
+#if LANES == 16 && defined(__AVX512F__)
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif LANES == 8 && defined(__AVX2__)
+    const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
     vu16 h;
     memcpy(&h, p, sizeof h);
-    vu32 w = __builtin_convertvector(h, vu32) << 16; /* a bfloat16 is the top half of a float32 */
+    const vu32 w = __builtin_convertvector(h, vu32) << 16;
+#endif
     vf v;
     memcpy(&v, &w, sizeof v);
     return v;
@@ -116,6 +128,24 @@ ALWAYS_INLINE vf round_to_bf16(vf x) {
     return x;
 }
 
+/* The largest of s[0..n) (n >= 1), LANES at a time; a NaN score is passed over unless s[0] is one,
+ * as a scalar loop of s[t] > max would. */
+ALWAYS_INLINE float row_max(const float *s, int64_t n) {
+    float max = s[0];
+    int64_t t = 1;
+    if (n > LANES) {
+        vf m = splat(s[0]);
+        for (; t + LANES <= n; t += LANES) {
+            const vf x = load_f32(s + t);
+            const vi more = x > m;
+            m = as_vf(((vi)x & more) | ((vi)m & ~more));
+        }
+        for (int64_t i = 0; i < LANES; i++) max = m[i] > max ? m[i] : max;
+    }
+    for (; t < n; t++) max = s[t] > max ? s[t] : max;
+    return max;
+}
+
 /* Each row of scores (rows of `context`, padded to whole vectors) becomes e^(s - max) and
  * inv_sums[row] 1 / the row's sum, so pass 2 sums unnormalized weights and scales once at the
  * end. With round_weights (the bfloat16 kernel) the weights pass 2 uses are rounded to
@@ -125,8 +155,7 @@ static void softmax_rows(float *scores, int64_t rows, int64_t context, int64_t p
                          float *inv_sums) {
     for (int64_t r = 0; r < rows; r++) {
         float *s = scores + r * padded;
-        float max = s[0];
-        for (int64_t t = 1; t < context; t++) max = s[t] > max ? s[t] : max;
+        float max = row_max(s, context);
         for (int64_t t = context; t < padded; t++) s[t] = max - 100.0f; /* e^-100: 0 */
         vf sum = {0};
         for (int64_t t = 0; t < padded; t += LANES) {
@@ -165,12 +194,81 @@ ALWAYS_INLINE const void *block_rows(const void *side, const int64_t *table, int
     return base + table[b] * block_bytes;
 }
 
+/* How many sums run side by side. An AVX2 core has 16 vector registers: pass 1 keeps
+ * G x rows_at_once(G) dot products in them (G query heads against that many K rows), pass 2
+ * G x chunks_at_once(G, CH) accumulators, each beside the one or two vectors it reads. One row
+ * at a time ran only G chains of CH dependent FMAs, and keeping all G x CH accumulators (24 for
+ * SmolLM2) spilled them to the stack on every row. */
+#define IN_FLIGHT 12
+#define MAX_ROWS_AT_ONCE 8
+
+ALWAYS_INLINE int64_t rows_at_once(int64_t G) {
+    return IN_FLIGHT / G < 1 ? 1 : IN_FLIGHT / G > MAX_ROWS_AT_ONCE ? MAX_ROWS_AT_ONCE : IN_FLIGHT / G;
+}
+
+/* The largest divisor of CH that is at most IN_FLIGHT / G (at least 1). */
+ALWAYS_INLINE int64_t chunks_at_once(int64_t G, int64_t CH) {
+    int64_t cc = IN_FLIGHT / G < 1 ? 1 : IN_FLIGHT / G;
+    while (CH % cc) cc--;
+    return cc;
+}
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* Pass 1 for R rows of one kv head (kh: the first row's head, rows row_stride apart): the
+ * scores of its G query heads (qh[g * CH + c]) against each row, times scale, into sh[g * padded
+ * + j]. Each dot product sums its chunks in order and then hsum, as one row at a time would. */
+#define DEFINE_K_ROWS(SUFFIX, T, LOAD)                                                            \
+ALWAYS_INLINE void k_rows_##SUFFIX(const vf *qh, const T *kh, int64_t row_stride, const int64_t G, \
+                                   const int64_t CH, const int64_t R, float scale, float *sh,     \
+                                   int64_t padded) {                                              \
+    vf dot[MAX_GROUP * MAX_ROWS_AT_ONCE];                                                         \
+    UNROLL for (int64_t j = 0; j < R; j++) {                                                      \
+        const vf row = LOAD(kh + j * row_stride);                                                 \
+        UNROLL for (int64_t g = 0; g < G; g++) dot[g * R + j] = qh[g * CH] * row;                 \
+    }                                                                                             \
+    UNROLL for (int64_t c = 1; c < CH; c++)                                                       \
+        UNROLL for (int64_t j = 0; j < R; j++) {                                                  \
+            const vf row = LOAD(kh + j * row_stride + c * LANES);                                 \
+            UNROLL for (int64_t g = 0; g < G; g++) dot[g * R + j] += qh[g * CH + c] * row;        \
+        }                                                                                         \
+    UNROLL for (int64_t g = 0; g < G; g++)                                                        \
+        UNROLL for (int64_t j = 0; j < R; j++) sh[g * padded + j] = hsum(dot[g * R + j]) * scale; \
+}
+
+/* Pass 2 for the n rows of one kv head in a block (vh: the first row's head): adds each row
+ * times its G weights (sh[g * padded + o]) to the head's accumulators ah[g * CH + c], CC chunks
+ * at a time so that G x CC accumulators stay in registers while the rows stream by (the second
+ * and later groups read the rows from L1). Each accumulator adds the rows in order. */
+#define DEFINE_V_ROWS(SUFFIX, T, LOAD)                                                            \
+ALWAYS_INLINE void v_rows_##SUFFIX(vf *ah, const T *vh, int64_t n, int64_t row_stride,          \
+                                   const float *sh, int64_t padded, const int64_t G,              \
+                                   const int64_t CH, const int64_t CC) {                          \
+    for (int64_t c0 = 0; c0 < CH; c0 += CC) {                                                     \
+        vf a[MAX_GROUP * MAX_CHUNKS];                                                             \
+        UNROLL for (int64_t g = 0; g < G; g++)                                                    \
+            UNROLL for (int64_t c = 0; c < CC; c++) a[g * CC + c] = ah[g * CH + c0 + c];          \
+        for (int64_t o = 0; o < n; o++) {                                                         \
+            vf w[MAX_GROUP];                                                                      \
+            UNROLL for (int64_t g = 0; g < G; g++) w[g] = splat(sh[g * padded + o]);              \
+            UNROLL for (int64_t c = 0; c < CC; c++) {                                             \
+                const vf row = LOAD(vh + o * row_stride + (c0 + c) * LANES);                      \
+                UNROLL for (int64_t g = 0; g < G; g++) a[g * CC + c] += w[g] * row;               \
+            }                                                                                     \
+        }                                                                                         \
+        UNROLL for (int64_t g = 0; g < G; g++)                                                    \
+            UNROLL for (int64_t c = 0; c < CC; c++) ah[g * CH + c0 + c] = a[g * CC + c];          \
+    }                                                                                             \
+}
+
 /* One sequence, every kv head, CH vectors per row and G query heads per kv head. q rows as
  * vectors: qv[head * CH + c]; scores: one row of `padded` floats per query head. Writes
  * acc[head * CH + c]. Blocks are the outer loop, so each block's rows (all heads) are read from
- * memory once per pass and contiguously; inside a block, one kv head's G x CH query (pass 1) or
- * accumulator (pass 2) vectors stay in registers while its rows stream by. */
+ * memory once per pass and contiguously. The sums are those of one row and one chunk at a time
+ * (k_rows_ and v_rows_ keep each one's order), whatever R and CC are. */
 #define DEFINE_SEQ(SUFFIX, T, LOAD, ROUND_WEIGHTS)                                                \
+DEFINE_K_ROWS(SUFFIX, T, LOAD)                                                                    \
+DEFINE_V_ROWS(SUFFIX, T, LOAD)                                                                    \
 ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache,                \
                                 const int64_t *table, int64_t context, int64_t block_size,        \
                                 int64_t num_kv_heads, const int64_t G, const int64_t CH,          \
@@ -179,22 +277,19 @@ ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache
     const int64_t head_dim = CH * LANES, row_stride = num_kv_heads * head_dim;                    \
     const int64_t block_elems = block_size * row_stride;                                          \
     const int64_t num_blocks = (context + block_size - 1) / block_size;                           \
+    const int64_t R = rows_at_once(G), CC = chunks_at_once(G, CH);                                \
     for (int64_t b = 0; b < num_blocks; b++) {                                                    \
         const int64_t start = b * block_size, n = rows_used(context, start, block_size);          \
         const T *rows = block_rows(k_cache, table, b, num_blocks, block_elems * (int64_t)sizeof(T)); \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                              \
-            vf qh[MAX_GROUP * MAX_CHUNKS];                                                        \
-            for (int64_t i = 0; i < G * CH; i++) qh[i] = qv[h * G * CH + i];                      \
+            const vf *qh = qv + h * G * CH;                                                       \
+            const T *kh = rows + h * head_dim;                                                    \
             float *sh = scores + h * G * padded + start;                                          \
-            for (int64_t o = 0; o < n; o++) {                                                     \
-                vf row[MAX_CHUNKS];                                                               \
-                for (int64_t c = 0; c < CH; c++) row[c] = LOAD(rows + o * row_stride + h * head_dim + c * LANES); \
-                for (int64_t g = 0; g < G; g++) {                                                 \
-                    vf dot = qh[g * CH] * row[0];                                                 \
-                    for (int64_t c = 1; c < CH; c++) dot += qh[g * CH + c] * row[c];              \
-                    sh[g * padded + o] = hsum(dot) * scale;                                       \
-                }                                                                                 \
-            }                                                                                     \
+            int64_t o = 0;                                                                        \
+            for (; o + R <= n; o += R)                                                            \
+                k_rows_##SUFFIX(qh, kh + o * row_stride, row_stride, G, CH, R, scale, sh + o, padded); \
+            for (; o < n; o++)                                                                    \
+                k_rows_##SUFFIX(qh, kh + o * row_stride, row_stride, G, CH, 1, scale, sh + o, padded); \
         }                                                                                         \
     }                                                                                             \
     softmax_rows(scores, num_kv_heads * G, context, padded, ROUND_WEIGHTS, inv_sums);             \
@@ -202,20 +297,9 @@ ALWAYS_INLINE void seq_##SUFFIX(const vf *qv, const T *k_cache, const T *v_cache
     for (int64_t b = 0; b < num_blocks; b++) {                                                    \
         const int64_t start = b * block_size, n = rows_used(context, start, block_size);          \
         const T *rows = block_rows(v_cache, table, b, num_blocks, block_elems * (int64_t)sizeof(T)); \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                              \
-            vf ah[MAX_GROUP * MAX_CHUNKS];                                                        \
-            for (int64_t i = 0; i < G * CH; i++) ah[i] = acc[h * G * CH + i];                     \
-            const float *sh = scores + h * G * padded + start;                                    \
-            for (int64_t o = 0; o < n; o++) {                                                     \
-                vf row[MAX_CHUNKS];                                                               \
-                for (int64_t c = 0; c < CH; c++) row[c] = LOAD(rows + o * row_stride + h * head_dim + c * LANES); \
-                for (int64_t g = 0; g < G; g++) {                                                 \
-                    const vf p = splat(sh[g * padded + o]);                                       \
-                    for (int64_t c = 0; c < CH; c++) ah[g * CH + c] += p * row[c];                \
-                }                                                                                 \
-            }                                                                                     \
-            for (int64_t i = 0; i < G * CH; i++) acc[h * G * CH + i] = ah[i];                     \
-        }                                                                                         \
+        for (int64_t h = 0; h < num_kv_heads; h++)                                                \
+            v_rows_##SUFFIX(acc + h * G * CH, rows + h * head_dim, n, row_stride,                 \
+                            scores + h * G * padded + start, padded, G, CH, CC);                  \
     }                                                                                             \
     for (int64_t r = 0; r < num_kv_heads * G; r++)                                                \
         for (int64_t c = 0; c < CH; c++) acc[r * CH + c] *= splat(inv_sums[r]);                   \
