@@ -110,12 +110,13 @@ def hf_model(dtype: torch.dtype):
 
 
 @functools.cache
-def hf_reference(dtype: torch.dtype = torch.float32) -> Reference:
-    """Greedy HF generate, one prompt at a time, eos not stopping (ignore_eos)."""
+def hf_reference(dtype: torch.dtype = torch.float32, every: int = 1) -> Reference:
+    """Greedy HF generate, one prompt at a time, eos not stopping (ignore_eos), for every
+    `every`-th prompt of prompt_token_ids() (all by default)."""
     model = hf_model(dtype)
     tokens, logprobs = [], []
     with torch.inference_mode():
-        for ids in prompt_token_ids():
+        for ids in prompt_token_ids()[::every]:
             out = model.generate(
                 torch.tensor([ids]),
                 max_new_tokens=NUM_NEW_TOKENS,

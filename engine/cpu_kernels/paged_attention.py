@@ -3,8 +3,9 @@ paged K/V, read in place from the cache blocks, in float32 or bfloat16.
 
 The torch path it replaces (engine.model.attention._decode_group) first copies every block of
 the context into one tensor and then runs SDPA over the copy. benchmarks/cpu_attention.py runs
-both side by side: on this project's 2-core EPYC, one thread, bfloat16, SmolLM2's shape, one
-layer over a 2k-token context read from memory took 296 us against 536 (benchmarks/RESULTS.md).
+both side by side: on this project's 2-core EPYC (AVX2), one thread, bfloat16, SmolLM2's shape,
+one layer over a 2k-token context read from memory took 354 us against 767 (benchmarks/RESULTS.md,
+2026-11-29; `--baseline REV` adds the kernel of another revision to the same run).
 """
 
 from __future__ import annotations

@@ -96,12 +96,18 @@ def test_chunked_prefill_of_32_tokens_keeps_tokens_exact(reference):
     _assert_free(chunked)
 
 
+BF16_EVERY = 3
+"""The bfloat16 report takes every third prompt (10 of 30, each kind among them): HF generate in
+bfloat16 on a CPU without AVX512-BF16 took ~150 s for all 30, the longest test of the suite."""
+
+
 def test_bfloat16_reports_share_of_tokens_identical_to_hf(reference, record_property, capsys):
     bf16 = LLM(dtype="bfloat16", max_model_len=1024, quantization="none")  # the dense bf16 path
-    outputs = bf16.generate([list(p) for p in prompt_token_ids()], GREEDY)
-    hf_bf16 = hf_reference(torch.bfloat16)
-    same_as_f32 = sum(a == b for o, r in zip(outputs, reference.token_ids) for a, b in zip(o.token_ids, r))
-    same_as_bf16 = sum(a == b for o, r in zip(outputs, hf_bf16.token_ids) for a, b in zip(o.token_ids, r))
+    outputs = bf16.generate([list(p) for p in prompt_token_ids()[::BF16_EVERY]], GREEDY)
+    hf_bf16 = hf_reference(torch.bfloat16, every=BF16_EVERY)
+    f32_tokens = reference.token_ids[::BF16_EVERY]
+    same_as_f32 = sum(a == b for o, r in zip(outputs, f32_tokens, strict=True) for a, b in zip(o.token_ids, r))
+    same_as_bf16 = sum(a == b for o, r in zip(outputs, hf_bf16.token_ids, strict=True) for a, b in zip(o.token_ids, r))
     total = len(outputs) * NUM_NEW_TOKENS
     report = (
         f"bfloat16: {same_as_bf16 / total:.1%} of tokens identical to HF bfloat16, "
