@@ -22,8 +22,8 @@ a change to the kernel is measured against the code before it in one run.
 from __future__ import annotations
 
 import argparse
-import random
 import ctypes
+import random
 import statistics
 import subprocess
 import sys
@@ -46,7 +46,7 @@ CACHE_BLOCKS = 1456
 def baseline_kernel(rev: str, workdir: Path):
     """paged_decode.c at git revision `rev`, built as the loader builds the current one."""
     from engine.cpu_kernels import Loaded, PagedDecodeKernel
-    from engine.cpu_kernels.loader import CFLAGS, PAGED_DECODE, compiler
+    from engine.cpu_kernels.loader import PAGED_DECODE, build, compiler
 
     repo = Path(__file__).resolve().parent.parent
     shown = subprocess.run(["git", "show", f"{rev}:engine/cpu_kernels/{PAGED_DECODE.file}"], cwd=repo,
@@ -58,10 +58,10 @@ def baseline_kernel(rev: str, workdir: Path):
     cc = compiler()
     if cc is None:
         raise SystemExit("--baseline: no C compiler")
-    built = subprocess.run([cc, *CFLAGS, *PAGED_DECODE.flags, "-o", str(library), str(source)],
-                           capture_output=True, text=True, timeout=120, check=False)
-    if built.returncode != 0:
-        raise SystemExit(f"--baseline {rev}: {cc} failed: {built.stderr.strip()[-2000:]}")
+    try:
+        build(library, cc, PAGED_DECODE, path=source)
+    except RuntimeError as e:
+        raise SystemExit(f"--baseline {rev}: {e}") from e
     return PagedDecodeKernel(Loaded(ctypes.CDLL(str(library)), library))
 
 

@@ -123,13 +123,15 @@ def library_name(source_text: str, cc: str, source: Source = PAGED_DECODE) -> st
     return f"{Path(source.file).stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
-def build(target: Path, cc: str, source: Source = PAGED_DECODE) -> None:
-    """Compile `source` into `target` (atomically). Raises RuntimeError with the compiler's output."""
+def build(target: Path, cc: str, source: Source = PAGED_DECODE, path: Path | None = None) -> None:
+    """Compile `source` into `target` (atomically), from `path` when given (another copy of that
+    source, e.g. an older revision for a benchmark) else the package's file. Raises RuntimeError
+    with the compiler's output."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        out = subprocess.run([cc, *CFLAGS, *source.flags, "-o", tmp, str(source.path)],
+        out = subprocess.run([cc, *CFLAGS, *source.flags, "-o", tmp, str(path or source.path)],
                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"{cc} exited {out.returncode}: {(out.stderr or out.stdout).strip()[-2000:]}")

@@ -16,8 +16,6 @@ from engine.cpu_kernels.int4_matmul import load_int4_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
-
-
 NO_GIT = shutil.which("git") is None or not (ROOT / ".git").exists()
 
 
