@@ -99,6 +99,8 @@ class WorkerProcess:
         self._stats_log: WorkerStatsLog | None = None
         self._signals = 0
         self._forced = False
+        self._drain_on_start = False
+        """A first signal came before the servers were up: serve() drains once they are."""
         self._stopping: asyncio.Event | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -123,10 +125,14 @@ class WorkerProcess:
         self._loop = asyncio.get_running_loop()
         self.worker.start()
         try:
-            await self._start()
+            # Handlers before the ready file and the "serving" line: a signal sent the moment a
+            # supervisor sees either drains (asyncio.run's own SIGINT handler would cancel serve()).
             if self._handle_signals:
                 self._install_signal_handlers()
+            await self._start()
             self.serving.set()
+            if self._drain_on_start:  # a signal came while starting: drain now that there is a server
+                self.begin_drain(self.spec.drain_timeout_s)
             await self._stopping.wait()
         finally:
             await self._shutdown()
@@ -194,7 +200,10 @@ class WorkerProcess:
         name = signal.Signals(signum).name
         if self._signals == 1:
             logger.info("%s: draining (a second signal stops at once)", name)
-            self.begin_drain(self.spec.drain_timeout_s)
+            if self.serving.is_set():
+                self.begin_drain(self.spec.drain_timeout_s)
+            else:
+                self._drain_on_start = True
             return
         logger.warning("%s again: stopping at once, %d request(s) in flight end with an error",
                        name, self.status().in_flight)

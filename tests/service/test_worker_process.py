@@ -292,6 +292,30 @@ def test_the_drain_hook_a_servicer_receives_drains_and_stops_the_process_once(ti
     assert process.drain_result is not None and (process.drain_result.finished, process.drain_result.aborted) == (0, 0)
 
 
+def test_a_signal_while_the_servers_start_drains_once_they_are_up_and_exits_zero(tiny_model_dir):
+    """A supervisor may signal the moment it sees the ready file (or sooner): the handlers are in
+    place before the servers start, and a first signal then drains once they are up (exit 0), not
+    asyncio.run's KeyboardInterrupt. In this process: SIGINT sent to itself from inside _start."""
+    from worker_runtime.process import WorkerProcess
+    from worker_runtime.status import WorkerState
+
+    engine = EngineConfig(model=str(tiny_model_dir), tokenizer=str(default_model_path()), dtype="float32",
+                          max_model_len=1024, num_gpu_blocks_override=64, num_threads=1)
+    spec = WorkerSpec(role="decode", engine=engine, worker_id="decode-early", kv_transfer="local", drain_timeout_s=5.0)
+    process = WorkerProcess(spec, load_cluster_secret())
+    process.worker = process.role.build(spec, load_cluster_secret())
+    start_servers = process._start
+
+    async def signalled_while_starting() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # handled on the loop at _start's first await
+        await start_servers()
+
+    process._start = signalled_while_starting
+    code = asyncio.run(asyncio.wait_for(process.serve(), 30))
+    assert code == 0 and process.state is WorkerState.STOPPED
+    assert process.drain_result is not None and (process.drain_result.finished, process.drain_result.aborted) == (0, 0)
+
+
 def test_drain_rpc_past_its_timeout_ends_the_held_request_with_an_error_and_the_process_exits_zero(
         tiny_model_dir, redis_url, tmp_path, started):
     spec = decode_spec(tiny_model_dir, redis_url, tmp_path)
