@@ -281,6 +281,11 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     http_port = server.servers[0].sockets[0].getsockname()[1]
     stop_router_processes = await start_router_processes(args, http_port, grpc_port, api_key,
                                                          admin_key_from(args))  # --- router workers
+    if stop is None:  # before the ready file: a signal sent the moment it appears stops us cleanly
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     logger.info("router serving OpenAI HTTP on http://%s:%d and gRPC on %s:%d",
                 args.host, http_port, args.host, grpc_port)
     if args.ready_file:
@@ -290,11 +295,6 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     stats_task = start_cluster_stats(args, reader, backend) if not getattr(args, "router_worker_index", 0) else None
     dashboard_sampler.start()
     planner_tasks = start_planner(planner)
-    if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await dashboard_sampler.stop()
     for task in planner_tasks:
