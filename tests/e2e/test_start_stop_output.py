@@ -37,11 +37,22 @@ def test_up_prints_each_start_once_names_every_line_and_stops_without_a_warning(
         for name in ("[prefill-0] worker_runtime.stats_log", "[decode-0] worker_runtime.stats_log",
                      "[router] router.serving.stats_log: Cluster: "):
             wait_for(lambda: name in log.read_text(), 30, name)
-        metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
-        for role in ("prefill", "decode"):
-            labels = f'model_name="{MODEL}",role="{role}",worker_id="{role}-0"'
-            assert re.search(rf"^vllm:kv_cache_usage_perc{{{labels}}} \S+$", metrics, re.M), metrics
-            assert re.search(rf"^vllm:prefix_cache_queries_total{{{labels}}} [1-9]", metrics, re.M), metrics
+        # The router's per-worker series come from its last snapshot of the workers' heartbeats:
+        # a worker's counters reach it a heartbeat and a snapshot after the request, not at once.
+        wanted = [rf"^vllm:{name}{{model_name=\"{MODEL}\",role=\"{role}\",worker_id=\"{role}-0\"}} {value}"
+                  for role in ("prefill", "decode")
+                  for name, value in (("kv_cache_usage_perc", r"\S+$"), ("prefix_cache_queries_total", "[1-9]"))]
+        metrics = ""
+
+        def every_series_there() -> bool:
+            nonlocal metrics
+            metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+            return all(re.search(pattern, metrics, re.M) for pattern in wanted)
+
+        try:
+            wait_for(every_series_there, 30, "per-worker series in the router's /metrics")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {[p for p in wanted if not re.search(p, metrics, re.M)]}\n{metrics}") from None
     finally:
         cluster.stop()
     assert cluster.process.returncode == 0
