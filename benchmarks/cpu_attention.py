@@ -17,6 +17,10 @@ Two parts, both on one torch thread (a decode worker's setting under load on thi
 --baseline REV adds two columns to the kernel part: paged_decode.c as it was at the git
 revision REV, built with the same compiler and flags and called in turn with the other two, so
 a change to the kernel is measured against the code before it in one run.
+
+Where Linux offers transparent huge pages, the kernel part has two more columns: the current
+kernel on the same blocks of the same caches copied onto 2 MiB pages, as a worker allocates its
+KV cache (engine/huge_pages.py), against the plain tensors' 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -65,7 +69,22 @@ def baseline_kernel(rev: str, workdir: Path):
     return PagedDecodeKernel(Loaded(ctypes.CDLL(str(library)), library))
 
 
-def kernel_rows(contexts: list[int], batches: list[int], repeat: int, baseline=None) -> list[list[object]]:
+def huge_page_copy(caches: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The same caches in one buffer on 2 MiB pages, as a worker allocates them
+    (engine.runner.allocate_kv_caches); None where Linux offers no transparent huge pages."""
+    from engine.huge_pages import zeros_on_huge_pages
+
+    whole, advised = zeros_on_huge_pages((len(caches), *caches[0].shape), caches[0].dtype)
+    if not advised:
+        return None
+    for layer, cache in zip(whole.unbind(0), caches, strict=True):
+        layer.copy_(cache)
+    return list(whole.unbind(0))
+
+
+def kernel_rows(contexts: list[int], batches: list[int], repeat: int,
+                baseline=None) -> tuple[list[list[object]], bool]:
+    """The kernel part's rows, and whether they carry the 2 MiB pages columns."""
     from engine.cpu_kernels import load_decode_kernel
     from engine.model.attention import AttentionMetadata, DecodeGroup, paged_attention
 
@@ -75,6 +94,7 @@ def kernel_rows(contexts: list[int], batches: list[int], repeat: int, baseline=N
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, CACHE_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
               for _ in range(LAYERS)]
+    huge = huge_page_copy(caches)
     scale = HEAD_DIM ** -0.5
     rows = []
     for context in contexts:
@@ -87,15 +107,17 @@ def kernel_rows(contexts: list[int], batches: list[int], repeat: int, baseline=N
             group = DecodeGroup(torch.arange(batch), tables, lens, mask)
             q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
             slots = torch.zeros(batch, dtype=torch.int64)
-            metas = {"torch": AttentionMetadata(slots, (group,), ()),
-                     "kernel": AttentionMetadata(slots, (group,), (), kernel)}
+            on_kernel = AttentionMetadata(slots, (group,), (), kernel)
+            runs = {"torch": (AttentionMetadata(slots, (group,), ()), caches), "kernel": (on_kernel, caches)}
             if baseline is not None:
-                metas["baseline"] = AttentionMetadata(slots, (group,), (), baseline)
-            times: dict[str, list[float]] = {name: [] for name in metas}
+                runs["baseline"] = (AttentionMetadata(slots, (group,), (), baseline), caches)
+            if huge is not None:
+                runs["huge"] = (on_kernel, huge)
+            times: dict[str, list[float]] = {name: [] for name in runs}
             for r in range(repeat + 1):  # the first round warms up
-                for name, meta in metas.items():
+                for name, (meta, layers) in runs.items():
                     start = time.perf_counter()
-                    for cache in caches:
+                    for cache in layers:
                         paged_attention(q, cache, meta, scale)
                     if r:
                         times[name].append((time.perf_counter() - start) / LAYERS * 1e6)
@@ -104,8 +126,11 @@ def kernel_rows(contexts: list[int], batches: list[int], repeat: int, baseline=N
             if baseline is not None:
                 b = statistics.median(times["baseline"])
                 row += [f"{b:.0f}", f"{k / b:.2f}x"]
+            if huge is not None:
+                h = statistics.median(times["huge"])
+                row += [f"{h:.0f}", f"{h / k:.2f}x"]
             rows.append(row)
-    return rows
+    return rows, huge is not None
 
 
 def engine_rows(mixes: list[tuple[int, int]], long_len: int, new_tokens: int) -> list[list[object]]:
@@ -145,9 +170,11 @@ def main() -> None:
     k_headers = ["context", "batch", "torch path us/layer", "C kernel us/layer", "kernel / torch"]
     with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as workdir:
         baseline = baseline_kernel(args.baseline, Path(workdir)) if args.baseline else None
-        k_rows = kernel_rows(contexts, batches, repeat, baseline)
+        k_rows, on_huge_pages = kernel_rows(contexts, batches, repeat, baseline)
     if baseline is not None:
         k_headers += [f"{args.baseline} kernel us/layer", f"kernel / {args.baseline}"]
+    if on_huge_pages:
+        k_headers += ["C kernel, caches on 2 MiB pages us/layer", "2 MiB / 4 KiB pages"]
     e_headers = ["decode batch", "torch path step ms", "C kernel step ms", "kernel / torch"]
     e_rows = engine_rows(mixes, long_len, new_tokens)
     report_tables([(k_headers, k_rows), (e_headers, e_rows)], "cpu_attention (C decode kernel vs torch path)", [
@@ -159,6 +186,9 @@ def main() -> None:
         "folded into its query axis (engine.model.attention._decode_group)",
         *([f"- {args.baseline} kernel: engine/cpu_kernels/paged_decode.c at git revision {args.baseline}, built with "
            "the loader's compiler and flags, called in turn with the other two in every round"] if args.baseline else []),
+        "- caches on 2 MiB pages: the same caches copied into one buffer on transparent huge pages, as a worker "
+        "allocates its KV cache (engine/huge_pages.py), the current kernel on the same blocks; the other columns' "
+        "caches are plain torch tensors on 4 KiB pages",
         f"- engine: EngineCore of the default model in bfloat16, 1 thread, random prompts, {new_tokens} new tokens "
         "each, all added at once; median of the steps in which every request decodes",
     ], write=not (args.quick or args.no_results))

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.cpu_kernels import PagedDecodeKernel, check_slots, check_tables
 from engine.device import StepThreads
+from engine.huge_pages import huge_page_mode, zeros_on_huge_pages
 from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.model.decode_plan import DecodePlan
 from engine.model.rope import rope_tables
@@ -29,8 +30,14 @@ logger = logging.getLogger(__name__)
 def allocate_kv_caches(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer. On the
+    CPU: views of one buffer on 2 MiB pages where Linux gives them (engine.huge_pages)."""
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type == "cpu":
+        whole, advised = zeros_on_huge_pages((spec.num_layers, *shape), dtype)
+        if advised:
+            logger.info("KV cache on 2 MiB pages (transparent huge pages: %s)", huge_page_mode())
+        return list(whole.unbind(0))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
 
 
