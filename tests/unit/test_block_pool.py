@@ -120,7 +120,7 @@ def test_freed_blocks_go_to_the_tail_of_the_free_queue():
     assert free_queue_ids(pool) == [2, 3, 0]
     pool.free([b])
     assert free_queue_ids(pool) == [2, 3, 0, 1]
-    assert ids(pool.get_new_blocks(4)) == [2, 3, 0, 1]
+    assert [ids(pool.get_new_blocks(1)) for _ in range(4)] == [[2], [3], [0], [1]]
 
 
 def test_blocks_freed_last_first_are_reallocated_tail_of_prefix_first():
@@ -128,7 +128,20 @@ def test_blocks_freed_last_first_are_reallocated_tail_of_prefix_first():
     blocks = pool.get_new_blocks(3)  # one request's table: 0, 1, 2
     pool.free(reversed(blocks))
     assert free_queue_ids(pool) == [3, 2, 1, 0]
-    assert ids(pool.get_new_blocks(2)) == [3, 2]
+    assert ids(pool.get_new_blocks(2)) == [2, 3]  # the queue's first two (3, 2), by id
+    assert free_queue_ids(pool) == [1, 0]
+
+
+def test_blocks_taken_together_come_by_id_and_evict_in_queue_order():
+    """Which blocks a call takes is the free queue's (LRU) choice; the table gets them by id, so
+    a reused request's blocks run forwards through memory (the decode kernel's fastest order)."""
+    pool = BlockPool(6)
+    first = pool.get_new_blocks(6)
+    assert ids(first) == [0, 1, 2, 3, 4, 5]
+    pool.free(reversed(first[:4]))  # a finished request frees 3, 2, 1, 0
+    assert free_queue_ids(pool) == [3, 2, 1, 0]
+    assert ids(pool.get_new_blocks(3)) == [1, 2, 3]
+    assert free_queue_ids(pool) == [0]
 
 
 def test_a_shared_block_returns_to_the_queue_only_when_its_last_reference_drops():
@@ -216,7 +229,7 @@ def test_cache_first_writer_wins_and_a_duplicate_block_stays_private():
     assert pool.take_events() == BlockEvents(stored=(h,), evicted=())
     # Reusing the private duplicate evicts nothing.
     pool.free([b])
-    assert ids(pool.get_new_blocks(2)) == [2, 1]
+    assert ids(pool.get_new_blocks(2)) == [1, 2]  # queue order 2, 1; by id
     assert pool.take_events() == BlockEvents(stored=(), evicted=())
     assert pool.lookup(h) is a
 

@@ -150,7 +150,7 @@ def test_head_of_the_queue_that_does_not_fit_is_not_overtaken():
     plan, _ = step(sched)
     assert plan.finished_ids == ("a",)
     assert summary(plan) == [("b", 0, 8), ("c", 0, 3)]
-    assert [w.block_ids for w in plan.scheduled] == [(3, 2), (1,)]
+    assert [w.block_ids for w in plan.scheduled] == [(2, 3), (1,)]  # the queue's 3, 2: by id
     run_until_done(sched)
     assert_idle(sched)
 
