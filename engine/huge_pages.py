@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -51,11 +52,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
     """A zeroed, contiguous CPU tensor whose memory starts on a 2 MiB boundary and was advised
     for huge pages before it was touched; (tensor, whether the advice was taken). The tensor is
     a view into a slightly larger buffer (at most 2 huge pages more), which it keeps alive."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or huge_page_mode() in ("never", "unsupported"):
         return torch.zeros(shape, dtype=dtype), False
     padded = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES

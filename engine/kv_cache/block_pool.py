@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine.kv_cache.hashing import BlockHash
 
@@ -32,10 +33,6 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
-
-
-def _block_id(block: Block) -> int:
-    return block.block_id
 
 
 class FreeBlockQueue:
@@ -136,7 +133,7 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         if count > 1:
-            taken.sort(key=_block_id)
+            taken.sort(key=attrgetter("block_id"))
         return taken
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
