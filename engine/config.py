@@ -113,6 +113,12 @@ class EngineConfig:
     (engine.cpu_kernels.int4_matmul: GGUF Q4 blocks as they are, bfloat16 dot products; needs a
     C compiler and AVX512-BF16, or with int4_activations int8 AVX2). False, or neither: torch's
     int4 kernel."""
+    cpu_kv_huge_pages: bool = True
+    """On CPU, the KV cache is one buffer advised for 2 MiB pages (Linux transparent huge pages,
+    engine.huge_pages): the decode kernel's scattered block reads miss the TLB less (0.85-0.94x
+    the kernel's time here). The cost is at start: a host whose free memory is fragmented, or a
+    VM whose guest memory is not backed yet, can take seconds per GiB to fault the cache in on
+    huge pages. False: small pages (as on GPU hosts' host tensors)."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
     auto: on CPU in bfloat16, a GGUF whose linears are all Q4_0/Q4_1 keeps its blocks (as gguf)

@@ -136,7 +136,8 @@ class EngineCore:
         )
         logger.info(self.capacity.log_line())
         kv_caches = allocate_kv_caches(
-            self.spec, self.capacity.num_blocks, config.block_size, kv_torch_dtype, self.device
+            self.spec, self.capacity.num_blocks, config.block_size, kv_torch_dtype, self.device,
+            huge_pages=config.cpu_kv_huge_pages,
         )
         num_swap_blocks = swap_blocks_for(config.swap_space, self.capacity.bytes_per_block)
         if num_swap_blocks:

@@ -27,16 +27,30 @@ from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+_SLOW_HUGE_PAGES_S = 2.0
+"""A huge-page cache that took longer than this to zero says how to start faster (small pages
+zero ~3.7 GB/s here; a slower huge-page start means the kernel or the VM is finding them)."""
+
+
 def allocate_kv_caches(
-    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    huge_pages: bool = True,
 ) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer. On the
-    CPU: views of one buffer on 2 MiB pages where Linux gives them (engine.huge_pages)."""
+    CPU: views of one buffer, on 2 MiB pages where Linux gives them (engine.huge_pages) unless
+    `huge_pages` is False."""
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
+        if not huge_pages:
+            logger.info("KV cache on small pages (--no-cpu-kv-huge-pages)")
+            return list(torch.zeros((spec.num_layers, *shape), dtype=dtype).unbind(0))
+        started = time.perf_counter()
         whole, advised = zeros_on_huge_pages((spec.num_layers, *shape), dtype)
         if advised:
-            logger.info("KV cache on 2 MiB pages (transparent huge pages: %s)", huge_page_mode())
+            took = time.perf_counter() - started
+            slow = took > _SLOW_HUGE_PAGES_S
+            logger.info("KV cache on 2 MiB pages (transparent huge pages: %s), zeroed in %.1f s%s", huge_page_mode(),
+                        took, " (slow to find: --no-cpu-kv-huge-pages starts on small pages)" if slow else "")
         return list(whole.unbind(0))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
 

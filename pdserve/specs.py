@@ -28,7 +28,7 @@ WORKER_ROLES: tuple[str, ...] = get_args(WorkerRole)
 _ENGINE_NOT_FLAGS = frozenset({"weights_cache_dir"})
 """EngineConfig fields with no command-line flag (set by the process itself)."""
 _ENGINE_BOOL_FLAGS = frozenset({"enable_prefix_caching", "cpu_packed_weights", "cpu_attention_kernel",
-                                "cpu_int4_kernel"})
+                                "cpu_int4_kernel", "cpu_kv_huge_pages"})
 """BooleanOptionalAction flags: --name / --no-name."""
 
 

@@ -56,3 +56,23 @@ def test_cpu_kv_caches_are_independent_zeroed_layers_of_one_buffer():
     if THP_OFFERED:  # 4 layers x 6 MiB: one advised buffer
         assert caches[0].data_ptr() % HUGE_PAGE_BYTES == 0
         assert "hg" in vm_flags_at(caches[3].data_ptr())
+
+
+def test_cpu_kv_caches_on_small_pages_when_asked_are_the_same_zeroed_layers(caplog):
+    spec = smollm2_like(num_layers=2)
+    with caplog.at_level("INFO", logger="engine.runner"):
+        caches = allocate_kv_caches(spec, num_blocks=512, block_size=16, dtype=torch.float32,
+                                    device=torch.device("cpu"), huge_pages=False)
+    assert [c.shape for c in caches] == [(2, 512, 16, 3, 64)] * 2
+    assert all(c.is_contiguous() and int(c.count_nonzero()) == 0 for c in caches)
+    assert "hg" not in vm_flags_at(caches[0].data_ptr())
+    assert "KV cache on small pages (--no-cpu-kv-huge-pages)" in caplog.text
+
+
+@pytest.mark.skipif(not THP_OFFERED, reason=f"transparent huge pages: {huge_page_mode()}")
+def test_the_huge_page_log_line_gives_the_time_to_zero_the_cache(caplog):
+    with caplog.at_level("INFO", logger="engine.runner"):
+        allocate_kv_caches(smollm2_like(num_layers=2), num_blocks=512, block_size=16, dtype=torch.float32,
+                           device=torch.device("cpu"))
+    assert "KV cache on 2 MiB pages (transparent huge pages: " in caplog.text
+    assert " zeroed in " in caplog.text

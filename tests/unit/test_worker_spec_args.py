@@ -56,7 +56,7 @@ def test_spec_with_every_setting_changed_round_trips_through_the_worker_parser()
         num_gpu_blocks_override=300, kv_cache_dtype="fp8", enable_prefix_caching=False, swap_space=1.5,
         max_num_seqs=8, max_num_batched_tokens=512, num_threads=1, seed=7, cpu_packed_weights=False,
         decode_threads=2, engine_nice=5, quantization="int8", long_prefill_token_threshold=0, max_long_partial_prefills=3,
-        int4_activations="int8")
+        int4_activations="int8", cpu_kv_huge_pages=False)
     spec = WorkerSpec(
         role="decode", engine=engine, worker_id="decode-7", host="10.0.0.5", port=50100, metrics_port=9100,
         redis_url="redis://127.0.0.1:6390/0", cluster="blue", kv_transfer="local", transfer_timeout_s=12.5,
