@@ -14,13 +14,13 @@ Method (printed with the results too):
   (pdserve-grpc: `--worker-link false`, its calls over gRPC as before the link). The Rust routers': the HTTP twins in
   benchmarks/instant_http_workers.py (same tokens), each router in its prefill/decode mode
   (benchmarks/router_peers.py).
-- Router path: pdserve bench's library (httpx, streamed /v1/completions, ignore_eos, the
+- Router path: pdserve bench's library (aiohttp, streamed /v1/completions, ignore_eos, the
   random dataset's prompts of --input-len tokens, --output-len tokens each) at each
   concurrency, all requests queued at once (closed loop: at most C in flight).
 - Direct path, per kind of double: link / gRPC: the calls pdserve's router makes (already
   tokenized), straight from this process over the worker link / grpc.aio: Decode (read the
   ticket), Prefill, then the rest of the Decode stream. HTTP: a prefill POST (max_tokens 1), then the streamed decode POST,
-  with httpx. Same concurrency and count.
+  with aiohttp. Same concurrency and count.
 - Latency: send to last token, per request; router-added = router path minus its direct path
   at the same percentile. HTTP floor: the decode POST alone, straight to the instant HTTP
   double, from the same client: the client's own cost of one streamed request, which
@@ -273,10 +273,10 @@ def method_lines(args, skipped: list[str]) -> list[str]:
         "link) registered in an embedded Redis; "
         "sglang-router / vllm-router: their prefill/decode modes in front of benchmarks/instant_http_workers.py "
         "HTTP doubles (same tokens, answered at once).",
-        "router path: pdserve bench library (httpx, streamed /v1/completions). direct path for pdserve's doubles: "
+        "router path: pdserve bench library (aiohttp, streamed /v1/completions). direct path for pdserve's doubles: "
         "the router's own calls (Decode -> ticket, Prefill, rest of the Decode stream) over the worker link "
         "(pdserve, pdserve-x2) or grpc.aio (pdserve-grpc); for the "
-        "HTTP doubles: prefill POST (max_tokens 1) then the streamed decode POST with httpx. HTTP floor: the "
+        "HTTP doubles: prefill POST (max_tokens 1) then the streamed decode POST with aiohttp. HTTP floor: the "
         "decode POST alone, to the HTTP double, same client.",
         "latency: send to last token; added = router path - its direct path at that percentile; "
         "req/s = requests / wall seconds; router CPU % = the router's processes' CPU over its run "

@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
+import orjson
 
-from pdserve.bench.client import Endpoint, send_request
+from pdserve.bench.client import Endpoint, open_session, send_request
 from pdserve.bench.datasets import SampleRequest
 from pdserve.ports import free_port
 
@@ -124,7 +125,7 @@ def stop(process: subprocess.Popen | None) -> None:
         process.wait(timeout=10)
 
 
-async def direct_http_call(client: httpx.AsyncClient, prefill_url: str | None, decode: Endpoint,
+async def direct_http_call(client: aiohttp.ClientSession, prefill_url: str | None, decode: Endpoint,
                            request: SampleRequest) -> float | None:
     """Prefill (one token, not streamed; none when prefill_url is None), then the streamed
     decode; seconds, None on failure."""
@@ -132,9 +133,11 @@ async def direct_http_call(client: httpx.AsyncClient, prefill_url: str | None, d
     if prefill_url is not None:
         body = {**decode.payload(request), "stream": False, "max_tokens": 1}
         body.pop("stream_options", None)
-        response = await client.post(f"{prefill_url}/v1/completions", json=body)
-        if response.status_code != 200:
-            return None
+        async with client.post(f"{prefill_url}/v1/completions", data=orjson.dumps(body),
+                               headers={"Content-Type": "application/json"}) as response:
+            await response.read()
+            if response.status != 200:
+                return None
     output = await send_request(client, decode, request)
     if not output.success:
         return None
@@ -153,10 +156,8 @@ async def direct_http_path(prefill_url: str | None, decode_url: str, model: str,
     """(latencies, failed, wall seconds, client CPU seconds) of the HTTP direct path (prefill_url
     None: the decode POST alone)."""
     decode = Endpoint(f"{decode_url}/v1/completions", model, ignore_eos=True)
-    limits = httpx.Limits(max_connections=2 * concurrency, max_keepalive_connections=2 * concurrency,
-                          keepalive_expiry=1.0)
     queue, latencies, failed = list(requests), [], 0
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    async with open_session(2 * concurrency, timeout_s=60) as client:
         async def worker() -> None:
             nonlocal failed
             while queue:

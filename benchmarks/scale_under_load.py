@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
 from pdserve.bench.arrivals import arrival_offsets  # noqa: E402
-from pdserve.bench.client import Endpoint, RequestOutput, send_request  # noqa: E402
+from pdserve.bench.client import Endpoint, RequestOutput, open_session, send_request  # noqa: E402
 from pdserve.bench.datasets import SampleRequest  # noqa: E402
 from pdserve.bench.metrics import token_times  # noqa: E402
 from tests.e2e.cluster import start_cluster  # noqa: E402
@@ -94,8 +94,7 @@ async def open_loop(endpoint: Endpoint, args: argparse.Namespace, stop: asyncio.
     horizon_s = 3600.0  # arrivals are drawn for an hour; `stop` ends the run long before
     offsets = arrival_offsets(math.ceil(args.rate * horizon_s), args.rate, args.burstiness, args.seed)
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+    async with open_session(timeout_s=300.0) as client:
         tasks: list[asyncio.Task] = []
         origin = time.perf_counter()
         for offset in offsets:

@@ -1,7 +1,7 @@
 """`pdserve bench`: a load generator flag-compatible with `vllm bench serve`.
 
 Parts: args (flags), datasets (prompts of exact token lengths), arrivals (Poisson/gamma send
-times), client (one streamed OpenAI request over httpx), sse (stream parsing), runner (send
+times), client (one streamed OpenAI request over aiohttp), sse (stream parsing), runner (send
 them all, collect outputs), metrics (vLLM's numbers), report (the printed block and the JSON),
 plot (optional PNG charts), main (the command).
 
@@ -24,7 +24,7 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # Lazy, so `pdserve --help` (which reads pdserve.bench.args) does not import httpx or numpy.
+    # Lazy, so `pdserve --help` (which reads pdserve.bench.args) does not import aiohttp or numpy.
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'pdserve.bench' has no attribute {name!r}")

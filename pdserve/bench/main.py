@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from pdserve.bench.args import DATASETS, base_url_from, parse_goodput, parse_key_values, parse_percentiles
-from pdserve.bench.client import Endpoint
+from pdserve.bench.client import Endpoint, open_session
 from pdserve.bench.datasets import SampleRequest, prefix_requests, random_requests
 from pdserve.bench.datasets_files import jsonl_requests, sharegpt_requests
 from pdserve.bench.metrics import METRICS, compute_metrics
@@ -59,10 +58,9 @@ def apply_general_lengths(args: argparse.Namespace) -> None:
 
 
 async def first_model(base_url: str, headers: dict[str, str]) -> str:
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.get(f"{base_url}/v1/models", headers=headers)
+    async with open_session(timeout_s=30) as session, session.get(f"{base_url}/v1/models", headers=headers) as response:
         response.raise_for_status()
-        models = response.json().get("data") or []
+        models = (await response.json(content_type=None)).get("data") or []
     if not models:
         raise RuntimeError(f"the server at {base_url} lists no model")
     return models[0]["id"]
@@ -145,14 +143,12 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--max-concurrency must be >= 1")
     if not args.request_rate > 0 or not args.burstiness > 0:
         parser.error("--request-rate and --burstiness must be > 0")
-    if logging.getLogger().level > logging.DEBUG:  # a log line per request costs the client CPU
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return asyncio.run(bench(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 2
-    except (httpx.HTTPError, RuntimeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
         print(f"pdserve bench: cannot reach the server: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -2,7 +2,7 @@
 
 Requests go out at their arrival offsets (pdserve.bench.arrivals); at most max_concurrency
 are in flight (the rest wait their turn, as in vLLM); every output is collected, failed or
-not. One pooled httpx.AsyncClient carries them all.
+not. One pooled aiohttp session (pdserve.bench.client.open_session) carries them all.
 """
 
 from __future__ import annotations
@@ -12,17 +12,13 @@ import math
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.client import Endpoint, RequestOutput, send_request
+from pdserve.bench.client import Endpoint, RequestOutput, open_session, send_request
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.progress import ProgressBar
 from proto.heap import settle_heap
-
-TIMEOUT = httpx.Timeout(6 * 3600.0, connect=30.0, pool=None)
-"""A long generation must not time out; the pool waits as long as the semaphore lets it."""
-
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -62,12 +58,7 @@ async def run_benchmark(settings: RunSettings, requests: list[SampleRequest]) ->
     """Send every request (after the warm-ups) and wait for all. Never raises for a failed
     request; raises ValueError for bad settings."""
     offsets = arrival_offsets(len(requests), settings.request_rate, settings.burstiness, settings.seed)
-    limit = settings.max_concurrency
-    # Idle connections are dropped well before servers close them (llama-server and uvicorn
-    # close after 5 s): reusing one the server is closing fails the request with
-    # "Server disconnected without sending a response", a client artefact, not a server fault.
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=1.0)
-    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
+    async with open_session(settings.max_concurrency) as client:
         if settings.num_warmups:
             await asyncio.gather(*(send_request(client, settings.endpoint, requests[0])
                                    for _ in range(settings.num_warmups)))
@@ -77,7 +68,7 @@ async def run_benchmark(settings: RunSettings, requests: list[SampleRequest]) ->
         return await _timed_run(client, settings, requests, offsets)
 
 
-async def _timed_run(client: httpx.AsyncClient, settings: RunSettings, requests: list[SampleRequest],
+async def _timed_run(client: aiohttp.ClientSession, settings: RunSettings, requests: list[SampleRequest],
                      offsets: list[float]) -> RunResult:
     semaphore = asyncio.Semaphore(settings.max_concurrency or len(requests))
     bar = ProgressBar(len(requests), settings.progress)
