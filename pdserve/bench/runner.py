@@ -20,6 +20,7 @@ from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.progress import ProgressBar
 from proto.heap import settle_heap
 
+
 @dataclass(frozen=True)
 class RunSettings:
     endpoint: Endpoint
