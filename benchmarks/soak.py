@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.get("PDSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
-        cluster = start_cluster(Path(tmp), "--prefill", "1", "--decode", "1",
+        # Prompts of up to ~600 words and 96 new tokens: 2048 tokens a request is enough, and the
+        # default model's 8192 would not fit the small KV budget (pdserve up refuses to start).
+        cluster = start_cluster(Path(tmp), "--prefill", "1", "--decode", "1", "--max-model-len", "2048",
                                 "--kv-cache-memory", args.kv_cache_memory, *args.up_flag)
         sampler = Sampler(cluster.process.pid, args.interval)
         try:
