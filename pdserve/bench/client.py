@@ -108,7 +108,7 @@ def open_session(max_connections: int | None = None, timeout_s: float = RUN_TIME
     (None: no limit), idle ones kept KEEPALIVE_S. Use it as an async context manager."""
     connector = aiohttp.TCPConnector(limit=max_connections or 0, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=CONNECT_TIMEOUT_S)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 class _Stream:
