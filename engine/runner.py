@@ -41,18 +41,23 @@ def allocate_kv_caches(
     `huge_pages` is False."""
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
-        if not huge_pages:
-            logger.info("KV cache on small pages (--no-cpu-kv-huge-pages)")
-            return list(torch.zeros((spec.num_layers, *shape), dtype=dtype).unbind(0))
-        started = time.perf_counter()
-        whole, advised = zeros_on_huge_pages((spec.num_layers, *shape), dtype)
-        if advised:
-            took = time.perf_counter() - started
-            slow = took > _SLOW_HUGE_PAGES_S
-            logger.info("KV cache on 2 MiB pages (transparent huge pages: %s), zeroed in %.1f s%s", huge_page_mode(),
-                        took, " (slow to find: --no-cpu-kv-huge-pages starts on small pages)" if slow else "")
-        return list(whole.unbind(0))
+        return list(_cpu_cache((spec.num_layers, *shape), dtype, huge_pages).unbind(0))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def _cpu_cache(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+    """All layers' zeroed cache in one buffer, on 2 MiB pages unless `huge_pages` is False."""
+    if not huge_pages:
+        logger.info("KV cache on small pages (--no-cpu-kv-huge-pages)")
+        return torch.zeros(shape, dtype=dtype)
+    started = time.perf_counter()
+    whole, advised = zeros_on_huge_pages(shape, dtype)
+    if advised:
+        took = time.perf_counter() - started
+        slow = took > _SLOW_HUGE_PAGES_S
+        logger.info("KV cache on 2 MiB pages (transparent huge pages: %s), zeroed in %.1f s%s", huge_page_mode(),
+                    took, " (slow to find: --no-cpu-kv-huge-pages starts on small pages)" if slow else "")
+    return whole
 
 
 def allocate_swap_caches(

@@ -172,14 +172,12 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, reque
     for resent in range(RESENDS + 1):
         stream, answered = _Stream(start, request.prompt_len), False
         try:
-            async with contextlib.AsyncExitStack() as resources:
-                # A resend goes on a connection of its own: the pool's other idle connections
-                # may have been closed by the server too (llama-server closes several at once),
-                # and aiohttp hands out one whose close it has not read yet.
-                client = session if resent == 0 else await resources.enter_async_context(
-                    open_session(1, timeout_s=session.timeout.total or RUN_TIMEOUT_S))
-                response = await resources.enter_async_context(
-                    client.post(endpoint.api_url, data=body, headers=headers))
+            # A resend goes on a connection of its own: the pool's other idle connections may
+            # have been closed by the server too (llama-server closes several at once), and
+            # aiohttp hands out one whose close it has not read yet.
+            fresh = open_session(1, timeout_s=session.timeout.total or RUN_TIMEOUT_S) if resent else None
+            async with fresh or contextlib.nullcontext(session) as client, \
+                    client.post(endpoint.api_url, data=body, headers=headers) as response:
                 answered = True
                 if response.status != 200:
                     text = (await response.read()).decode("utf-8", "replace")
