@@ -53,6 +53,7 @@ def build_service(args: argparse.Namespace):
     from router.cluster.kv_event_reader import KVEventReader
     from router.routing.local_prefill import LocalPrefillRule, WithLocalPrefill
     from router.routing.policy import CacheAware, CacheAwareWeights, make_policy
+    from router.serving.prompt_encoder import serial_tokenizer_threads
     from router.serving.service import RouterService
     from router.api.validation import RequestLimits
     from router.routing.worker_calls import WorkerTimeouts
@@ -61,6 +62,7 @@ def build_service(args: argparse.Namespace):
     secret = require_cluster_secret("pdserve router")  # before the model loads: fail fast
     model_path = resolve_model_path(args.model)
     spec = read_spec(model_path)
+    serial_tokenizer_threads()
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else model_path.stem)
     max_model_len = args.max_model_len or spec.max_position_embeddings
@@ -271,7 +273,7 @@ async def serve_router(args: argparse.Namespace, stop: asyncio.Event | None = No
     if sockets is not None:
         from router.api.http_guards import ResponseHeaderMiddleware
 
-        app.add_middleware(ResponseHeaderMiddleware, name=WORKER_HEADER, value=str(args.router_worker_index))
+        app.add_guard(ResponseHeaderMiddleware, name=WORKER_HEADER, value=str(args.router_worker_index))
     settle_heap()
     http_task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:

@@ -91,6 +91,11 @@ class WorkerFailure(RouterError):
     """A worker failed (crashed, timed out, broke its protocol) while serving the request."""
 
 
+def internal_error(exc: Exception) -> WorkerFailure:
+    """What a client hears of a bug in the router (the exception itself goes to the log)."""
+    return WorkerFailure(f"internal router error ({type(exc).__name__})")
+
+
 @dataclass(frozen=True)
 class HttpError:
     """What an HTTP response for a RouterError carries."""

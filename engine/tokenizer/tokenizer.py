@@ -60,6 +60,11 @@ class Tokenizer:
         # for a 32-token prompt, on every request's path in the router.
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text, in one call (the tokenizer's tables are read into the CPU's
+        caches once for all of them)."""
+        return [e.ids for e in self._encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form complete UTF-8 characters come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -4,10 +4,12 @@ the fast path that serves a well-formed request without FastAPI.
 FastAPI's routing, dependency injection and body handling cost ~0.45 ms of CPU per request
 (an instant SSE endpoint: 0.63 ms through FastAPI against 0.17 ms as plain ASGI, both under
 uvicorn), more than the rest of the router's own work per request. GenerationFastPath sits
-inside the guards (request id, admin access, API key, body size: http_guards.py) and answers a
-request whose content type is JSON and whose body parses and validates, with the same handler
-FastAPI's route calls. Anything else goes on to the FastAPI app with its body replayed, so
-every refusal (content type, JSON, validation) keeps the one shape FastAPI's handlers give it.
+inside the guards (request id, admin access, API key, body size: http_guards.py) and outside
+FastAPI's own middleware (router.api.http.RouterApp), and answers a request whose content type
+is JSON and whose body parses and validates, with the same handler FastAPI's route calls.
+Anything else goes on to the FastAPI app with its body replayed, so every refusal (content
+type, JSON, validation) keeps the one shape FastAPI's handlers give it; a bug gets the answer
+FastAPI's error handler gives (a JSON 500) and is raised on to the server's log.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from router.api.openai_encode import (
     TOKEN_TIMES_HEADER, ChatChunks, ChunkEncoder, CompletionChunks, WithTokenTimes, chat_body, completion_body,
     dumps, sse_lines)
 from router.api.openai_models import ChatCompletionRequest, CompletionRequest
-from router.errors import RouterError
+from router.errors import RouterError, internal_error
 from router.serving.results import ResponseHead
 from router.serving.service import ResponseStream, RouterService
 
@@ -135,6 +137,9 @@ class GenerationFastPath:
             response = error_response(exc)
         except ClientDisconnected:
             response = Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:  # a bug: FastAPI's error handler's answer, then the server logs it
+            await error_response(internal_error(exc))(scope, receive, send)
+            raise
         await response(scope, receive, send)
 
 

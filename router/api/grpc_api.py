@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -37,6 +36,7 @@ from router.api.openai_models import (
 )
 from router.cluster.readiness import Readiness
 from router.serving.results import ChoiceUpdate, StreamFailure, Usage, UsageReport
+from router.serving.types import random_id
 from router.api.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.service = service
 
     def _request_id(self, msg) -> str:
-        return msg.request_id or uuid.uuid4().hex
+        return msg.request_id or random_id()
 
     async def _start(self, msg: generation_pb2.GenerateRequest, request_id: str, stream: bool):
         fields = _sampling_fields(msg)

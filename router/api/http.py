@@ -16,18 +16,21 @@ import importlib.metadata
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from router.errors import (
     HttpStatusError,
     InvalidRequest,
     Overloaded,
     RouterError,
-    WorkerFailure,
+    internal_error,
 )
 from router.api.generation_routes import (
     CLIENT_CLOSED_REQUEST,
@@ -107,10 +110,33 @@ _NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": Fals
 the router's CPU under load); the router exports Prometheus metrics instead."""
 
 
-def create_app(service: RouterService, settings: HttpSettings | None = None) -> FastAPI:
-    """The FastAPI app serving `service`. Each app has its own metrics registry (the service's)."""
+class RouterApp(FastAPI):
+    """FastAPI with the guards outside its own middleware (error page, telemetry, body size):
+    a well-formed generation request passes the guards and the fast path only, not three more
+    layers whose wrappers every one of its ASGI messages went through (FastAPI 0.16x added two
+    of them). Its bugs get the error page's answer from the fast path itself. add_guard()
+    stacks like add_middleware: the last added runs first."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.guards: list[Middleware] = []
+
+    def add_guard(self, cls: Any, **options: Any) -> None:
+        if self.middleware_stack is not None:
+            raise RuntimeError("guards are added before the app serves its first request")
+        self.guards.insert(0, Middleware(cls, **options))
+
+    def build_middleware_stack(self) -> ASGIApp:
+        app = super().build_middleware_stack()
+        for cls, args, kwargs in reversed(self.guards):
+            app = cls(app, *args, **kwargs)
+        return app
+
+
+def create_app(service: RouterService, settings: HttpSettings | None = None) -> RouterApp:
+    """The app serving `service`. Each app has its own metrics registry (the service's)."""
     settings = settings or HttpSettings()
-    app = FastAPI(title="pdserve router", version=settings.version, **_NO_TELEMETRY)
+    app = RouterApp(title="pdserve router", version=settings.version, **_NO_TELEMETRY)
     # Starlette types handlers for plain Exception; these take the subclass they handle.
     app.add_exception_handler(RouterError, _on_router_error)  # type: ignore[arg-type]
     app.add_exception_handler(
@@ -121,7 +147,7 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
     app.add_exception_handler(Exception, _on_unexpected_error)
     app.include_router(_routes(service, settings))
     # Innermost of the guards below: well-formed generation requests skip FastAPI (generation_routes.py).
-    app.add_middleware(GenerationFastPath, service=service)
+    app.add_guard(GenerationFastPath, service=service)
     if settings.roles is not None:
         app.include_router(admin_routes(settings.roles))
         # Beside the route that refreshes its view before each scrape (see /metrics).
@@ -130,12 +156,12 @@ def create_app(service: RouterService, settings: HttpSettings | None = None) -> 
         app.include_router(routes)
     # The last added runs first: id (so every refusal carries it), admin access, key, then body
     # size (so an unauthenticated client cannot make the router buffer a body).
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_guard(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_guard(ApiKeyMiddleware, api_key=settings.api_key)
     if settings.admin_access is not None:
-        app.add_middleware(AdminGuardMiddleware, access=settings.admin_access)
-    app.add_middleware(RequestIdMiddleware)
+        app.add_guard(AdminGuardMiddleware, access=settings.admin_access)
+    app.add_guard(RequestIdMiddleware)
     return app
 
 
@@ -235,7 +261,7 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONR
 
 async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     # A bug: answer in the usual shape; Starlette re-raises it afterwards, so it gets logged.
-    return error_response(WorkerFailure(f"internal router error ({type(exc).__name__})"))
+    return error_response(internal_error(exc))
 
 
 async def _on_client_disconnected(_: Request, __: Exception) -> Response:

@@ -7,7 +7,6 @@ become responses in `error_response` only (the HTTP half of the one error mappin
 from __future__ import annotations
 
 import json
-import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
@@ -17,6 +16,7 @@ from router.api.api_key import ApiKey
 from router.errors import PayloadTooLarge, RouterError, Unauthorized, http_error
 from router.ops.access import AdminAccess, admin_route_access
 from router.ops.dashboard.paths import is_shell as is_dashboard_shell
+from router.serving.types import random_id
 
 REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -49,7 +49,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        rid = Headers(scope=scope).get(REQUEST_ID_HEADER) or random_id()
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message: Message) -> None:

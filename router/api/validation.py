@@ -6,6 +6,7 @@ Pure apart from the tokenizer: no I/O, no backend. Messages copy vLLM's where vL
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,8 +170,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
         raise InvalidRequest(str(exc)) from exc
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[Prompt, ...]:
-    """The request's prompts, tokenized; raises InvalidRequest for an empty or bad prompt."""
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+                       encoded: Mapping[str, Sequence[int]] | None = None) -> tuple[Prompt, ...]:
+    """The request's prompts, tokenized (`encoded`: texts already tokenized, with the request's
+    add_special_tokens); raises InvalidRequest for an empty or bad prompt."""
     prompt = req.prompt
     if prompt is None or prompt == "" or prompt == []:
         raise InvalidRequest(
@@ -182,15 +185,21 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> tuple[Pr
         items = [prompt]  # type: ignore[list-item]  # one prompt given as token ids
     else:
         items = list(prompt)  # type: ignore[arg-type]
-    return tuple(_one_prompt(item, tokenizer, req.add_special_tokens) for item in items)
+    return tuple(_one_prompt(item, tokenizer, req.add_special_tokens, encoded or {}) for item in items)
 
 
-def _one_prompt(item: str | list[int], tokenizer: Tokenizer, add_special: bool) -> Prompt:
+def _one_prompt(item: str | list[int], tokenizer: Tokenizer, add_special: bool,
+                encoded: Mapping[str, Sequence[int]]) -> Prompt:
     if isinstance(item, str):
-        ids = tuple(tokenizer.encode(item, add_special_tokens=add_special))
-        text: str | None = item
-    else:
-        ids, text = tuple(item), None
+        ids = encoded.get(item)
+        return checked_prompt(tokenizer.encode(item, add_special_tokens=add_special) if ids is None else ids,
+                              item, tokenizer)
+    return checked_prompt(item, None, tokenizer)
+
+
+def checked_prompt(ids: Sequence[int], text: str | None, tokenizer: Tokenizer) -> Prompt:
+    """A prompt of `ids` (of `text`); raises InvalidRequest for no ids or one outside the vocabulary."""
+    ids = tuple(ids)
     check_token_ids(ids, tokenizer)
     return Prompt(token_ids=ids, text=text)
 
@@ -306,6 +315,12 @@ def _check_named_tool(function: dict[str, Any], tools: list) -> None:
 
 def chat_prompt(req: ChatTemplateFields, tokenizer: Tokenizer) -> Prompt:
     """Render the conversation with the model's template and tokenize it."""
+    text = chat_text(req, tokenizer)
+    return checked_prompt(tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text, tokenizer)
+
+
+def chat_text(req: ChatTemplateFields, tokenizer: Tokenizer) -> str:
+    """The conversation rendered with the model's template; raises InvalidRequest."""
     if req.chat_template is not None:
         raise InvalidRequest(
             "Chat template is passed with request, but --trust-request-chat-template is not "
@@ -317,10 +332,7 @@ def chat_prompt(req: ChatTemplateFields, tokenizer: Tokenizer) -> Prompt:
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
         )
     messages = [_message_dict(m) for m in req.messages]
-    text = _render(req, messages, tokenizer)
-    ids = tuple(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
-    check_token_ids(ids, tokenizer)
-    return Prompt(token_ids=ids, text=text)
+    return _render(req, messages, tokenizer)
 
 
 def _render(req: ChatTemplateFields, messages: list[dict[str, Any]], tok: Tokenizer) -> str:

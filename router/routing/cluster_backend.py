@@ -298,13 +298,14 @@ class ClusterBackend:
         """Decode call on the chosen decode worker, then the others; None when all refuse."""
         candidates = [decision.decode_id] + [
             w.worker_id for w in snapshot.decode_workers() if w.worker_id != decision.decode_id]
+        sampling = params_to_proto(request.params)  # once: the Prefill call sends it too
         for worker_id in candidates:
             info = snapshot.by_id(worker_id)
             if info is None:
                 continue
             stream = self.workers.decode(info.address, info.link_address).Decode(worker_pb2.DecodeRequest(
                 request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                sampling=params_to_proto(request.params), ticket_timeout_ms=self._ticket_timeout_ms,
+                sampling=sampling, ticket_timeout_ms=self._ticket_timeout_ms,
                 local_prefill=local, stream_first_token=streams_first_token(request, local)))
             try:
                 first = await read_within(stream, self.timeouts.stream_idle_s, f"decode worker {worker_id}")
@@ -328,7 +329,7 @@ class ClusterBackend:
                 raise WorkerFailure(f"decode worker {worker_id} answered without a ticket")
             self._placements[request.request_id] = _Placement(info.address, info.block_size,
                                                               decode_link=info.link_address)
-            return _Admitted(snapshot, decision, worker_id, stream, first.ticket)
+            return _Admitted(snapshot, decision, worker_id, stream, first.ticket, sampling)
         return None
 
     async def _admit_local(self, request: BackendRequest, admitted: _Admitted) -> _Admitted:
@@ -363,7 +364,7 @@ class ClusterBackend:
                 try:
                     reply = await self.workers.prefill(info.address, info.link_address).Prefill(worker_pb2.PrefillRequest(
                         request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                        sampling=params_to_proto(request.params), ticket=ticket), timeout=self.timeouts.prefill_s)
+                        sampling=admitted.sampling, ticket=ticket), timeout=self.timeouts.prefill_s)
                 except grpc.aio.AioRpcError as exc:
                     if settled.is_set():  # the KV had arrived: nothing to retry
                         return None

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1 import common_pb2, worker_pb2
 from router.cluster.state import ClusterSnapshot
 from router.errors import InvalidRequest
 from router.routing.policy import RouteDecision, RouteRequest
@@ -40,6 +40,8 @@ class _Admitted:
     decode_id: str
     stream: object  # grpc.aio stream of DecodeEvent
     ticket: worker_pb2.Ticket
+    sampling: common_pb2.SamplingParams
+    """The request's sampling parameters as the Decode call sent them (the Prefill call too)."""
 
 
 @dataclass

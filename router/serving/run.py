@@ -46,7 +46,7 @@ def backend_requests(request_id: str, plan: GenerationPlan) -> list[BackendReque
     for p, (prompt, params) in enumerate(zip(plan.prompts, plan.params, strict=True)):
         for j in range(params.n):
             seed = None if params.seed is None else params.seed + j
-            one = dataclasses.replace(params, n=1, seed=seed)
+            one = params if params.n == 1 else dataclasses.replace(params, n=1, seed=seed)
             requests.append(BackendRequest(f"{request_id}-{p * plan.n + j}", prompt.token_ids, one))
     return requests
 

@@ -1,9 +1,11 @@
 """RouterService: the OpenAI API's behaviour, independent of HTTP and of how tokens are made.
 
 Per request: check the model name and the limits (cheap counts, before any work), validate,
-render the chat template and tokenize (in a worker thread: a large prompt must not stall the
-event loop), check the context length, fan prompts x n out to the backend as single-sequence
-requests, detokenize and apply stop strings per choice, count usage and metrics. Every path out
+render the chat template and tokenize (a short prompt on the event loop, in one call with the
+others that arrive in the same loop pass: prompt_encoder.py; a large one in a worker thread, so
+it cannot stall the loop), check the context length, fan prompts x n out to the backend as
+single-sequence requests, detokenize and apply stop strings per choice, count usage and
+metrics. Every path out
 (done, stop string, error, client gone) closes the run, which aborts whatever the backend is
 still generating.
 
@@ -18,7 +20,6 @@ import asyncio
 import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -27,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto.log_context import set_request_id
 from router.serving.backend import GenerationBackend
-from router.errors import RouterError, WorkerFailure
+from router.errors import RouterError, internal_error
 from router.serving.metrics import RouterMetrics
 from router.api.openai_models import (
     ChatCompletionRequest,
@@ -50,6 +51,8 @@ from router.serving.results import (
 )
 from router.serving.run import GenerationPlan, GenerationRun, drain
 from router.serving.timeline_recorder import TimelineRecorder
+from router.serving.prompt_encoder import PromptEncoder
+from router.serving.types import random_id
 from router.ops.timeline import TimelineStore
 from router.api.validation import (
     Prompt,
@@ -57,11 +60,13 @@ from router.api.validation import (
     chat_logprobs,
     chat_max_tokens,
     chat_prompt,
+    chat_text,
     check_chat_options,
     check_context_length,
     check_limits,
     check_model,
     check_token_ids,
+    checked_prompt,
     completion_logprobs,
     completion_prompts,
     num_completion_prompts,
@@ -121,7 +126,7 @@ class RouterService:
         limits: RequestLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        new_request_id: Callable[[], str] = random_id,
         timelines: TimelineStore | None = None,
     ) -> None:
         """`clock` times latencies (seconds, monotonic); `wall_clock` stamps `created`;
@@ -145,6 +150,8 @@ class RouterService:
         # event loop (every other request's stream) moving. Two threads: the tokenizer and the
         # sandboxed template are read-only after loading, so they are safe to share.
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
+        self._encoder = PromptEncoder(tokenizer)
+        """Short prompts, on the loop: those arriving together are tokenized in one call."""
 
     def model_card(self) -> ModelCard:
         return ModelCard(self.model_name, self._created, self._model_root, self.max_model_len)
@@ -201,11 +208,9 @@ class RouterService:
             check_token_ids(ids, self._tokenizer)
         return DetokenizeResult(self._tokenizer.decode(ids, skip_special_tokens=False))
 
-    async def _off_loop(self, fn: Callable[..., T], *args: object, inline: bool = False) -> T:
-        """fn(*args) on the CPU threads; on the event loop when `inline` (small work: the
-        hop to a thread and back costs more than tokenizing a short prompt)."""
-        if inline:
-            return fn(*args)
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on the CPU threads (short prompts stay on the loop: the hop to a thread and
+        back costs more than tokenizing them)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._cpu, functools.partial(fn, *args))
 
@@ -217,18 +222,23 @@ class RouterService:
             check_model(req.model, self.model_name)
             refuse_unsupported(req)
             check_limits(req, num_completion_prompts(req), self._limits)
-            plan = await self._off_loop(self._completion_plan, req, request_id, cached_tokens,
-                                        inline=small_prompt(req.prompt))
+            if small_prompt(req.prompt):
+                encoded = ({req.prompt: await self._encoder.encode(req.prompt, req.add_special_tokens)}
+                           if isinstance(req.prompt, str) else None)
+                plan = self._completion_plan(req, request_id, cached_tokens, encoded)
+            else:
+                plan = await self._off_loop(self._completion_plan, req, request_id, cached_tokens)
         except RouterError as exc:
             _refused(recorder, exc)
             raise
         return self._run(request_id, plan, recorder)
 
     def _completion_plan(
-        self, req: CompletionRequest, request_id: str, cached_tokens: bool
+        self, req: CompletionRequest, request_id: str, cached_tokens: bool,
+        encoded: dict[str, list[int]] | None = None,
     ) -> GenerationPlan:
         logprobs = completion_logprobs(req)
-        prompts = completion_prompts(req, self._tokenizer)
+        prompts = completion_prompts(req, self._tokenizer, encoded)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             check_context_length(len(prompt.token_ids), max_tokens, self.max_model_len)
@@ -246,8 +256,13 @@ class RouterService:
             refuse_unsupported(req)
             check_chat_options(req)
             check_limits(req, 1, self._limits)
-            plan = await self._off_loop(self._chat_plan, req, request_id, cached_tokens,
-                                        inline=small_chat(req.messages))
+            if small_chat(req.messages):
+                chat_logprobs(req)  # its refusals before the template's, as in _chat_plan
+                text = chat_text(req, self._tokenizer)
+                ids = await self._encoder.encode(text, req.add_special_tokens)
+                plan = self._chat_plan(req, request_id, cached_tokens, checked_prompt(ids, text, self._tokenizer))
+            else:
+                plan = await self._off_loop(self._chat_plan, req, request_id, cached_tokens)
         except RouterError as exc:
             _refused(recorder, exc)
             raise
@@ -260,10 +275,11 @@ class RouterService:
         return TimelineRecorder(self.timelines, request_id, self.model_name, self._clock, self._wall_clock)
 
     def _chat_plan(
-        self, req: ChatCompletionRequest, request_id: str, cached_tokens: bool
+        self, req: ChatCompletionRequest, request_id: str, cached_tokens: bool, prompt: Prompt | None = None
     ) -> GenerationPlan:
+        """`prompt`: the conversation already rendered and tokenized (None: done here)."""
         logprobs = chat_logprobs(req)
-        prompt = chat_prompt(req, self._tokenizer)
+        prompt = prompt or chat_prompt(req, self._tokenizer)
         max_tokens = chat_max_tokens(req)
         check_context_length(len(prompt.token_ids), max_tokens, self.max_model_len)
         if max_tokens is None:  # vLLM: whatever room the context leaves
@@ -340,14 +356,14 @@ async def _events(
         yield StreamFailure(exc)
     except Exception as exc:  # a bug: still end the client's stream with an error event
         logger.exception("stream %s failed after it started", run.head().response_id)
-        yield StreamFailure(WorkerFailure(f"internal router error ({type(exc).__name__})"))
+        yield StreamFailure(internal_error(exc))
     finally:
         await run.aclose()
 
 
 INLINE_PROMPT_CHARS = 2048
 """Prompts of up to this many characters are tokenized (and chat-templated) on the event loop:
-~0.1 ms of work, less than the hop to the tokenizer thread and back under load."""
+~0.1-0.4 ms of work, less than the hop to the tokenizer thread and back under load."""
 
 
 def small_prompt(prompt: object) -> bool:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
+import pytest
+
 from router.errors import Overloaded, WorkerFailure
 from tests.unit.router_doubles import call, make_app, sse_payloads, token_steps
 
@@ -100,3 +105,25 @@ def test_a_backend_bug_after_the_stream_started_still_ends_the_stream_in_band():
     failure = error("internal router error (KeyError)", "InternalServerError", None, 500)
     assert events[1:] == [failure, "[DONE]"]
     assert backend.aborted == ["b1-0"]
+
+
+
+def _post_raw(app, raise_app_exceptions: bool) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await client.post("/v1/completions", json={"prompt": "Hello"}, headers=ID)
+
+    return asyncio.run(go())
+
+
+def test_a_router_bug_before_the_response_is_a_500_in_the_usual_shape_and_still_raised():
+    """The fast path answers outside FastAPI's error middleware: a bug there still gets the
+    JSON 500 FastAPI's handler gives, with the request id, and still reaches the server's log."""
+    app, _ = make_app([KeyError("slot")])
+    response = _post_raw(app, raise_app_exceptions=False)
+    assert response.status_code == 500
+    assert response.json() == error("internal router error (KeyError)", "InternalServerError", None, 500)
+    assert response.headers["x-request-id"] == "req-1"
+    with pytest.raises(KeyError):
+        _post_raw(app, raise_app_exceptions=True)
