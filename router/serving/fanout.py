@@ -10,6 +10,7 @@ that is gone.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -24,13 +25,26 @@ logger = logging.getLogger(__name__)
 _CLEANUPS: set[asyncio.Task[None]] = set()
 
 
+# Set inside a shielded cleanup's task: a cleanup it starts (a response's close closing its
+# run) is shielded already and runs inline, without a task of its own.
+_SHIELDED: contextvars.ContextVar[bool] = contextvars.ContextVar("pdserve_shielded", default=False)
+
+
 async def run_shielded(coro: Coroutine[Any, Any, None]) -> None:
     """Run `coro` to completion even if the caller is cancelled (client disconnects cancel the
     handler, but the backend must still hear the abort)."""
-    task = asyncio.ensure_future(coro)
+    if _SHIELDED.get():
+        await coro
+        return
+    task = asyncio.ensure_future(_shielded(coro))
     _CLEANUPS.add(task)
     task.add_done_callback(_CLEANUPS.discard)
     await asyncio.shield(task)
+
+
+async def _shielded(coro: Coroutine[Any, Any, None]) -> None:
+    _SHIELDED.set(True)  # the task runs in a copy of the caller's context: the caller is untouched
+    await coro
 
 
 class FanOut:

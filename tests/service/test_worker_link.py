@@ -15,7 +15,7 @@ from proto.limits import NO_ROOM_METADATA_KEY
 from proto.link import LinkChannel, LinkDecodeStub, LinkPrefillStub, LinkServer
 from proto.link.methods import ABORT, DECODE, PREFILL
 from proto.pdserve.v1 import common_pb2, worker_pb2
-from router.routing.worker_calls import is_no_room, request_error
+from router.routing.worker_calls import WorkerSilent, is_no_room, read_within, request_error
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"link-service-secret"
@@ -384,6 +384,33 @@ def test_read_nowait_hands_out_what_has_arrived_and_never_the_end():
             assert [call.read_nowait().tokens.token_ids[0] for _ in range(3)] == [100, 101, 102]
             assert call.read_nowait() is None
             assert await call.read() is grpc.aio.EOF
+        await server.stop(1)
+
+    run(scenario)
+
+
+def test_read_within_hands_out_what_has_arrived_and_bounds_the_wait_for_the_rest():
+    async def scenario():
+        server, worker, address = await started()
+        async with LinkChannel(address, SECRET) as channel:
+            call = LinkDecodeStub(channel).Decode(decode_request("r10", 2))
+            assert (await read_within(call, 5, "decode")).ticket.ticket_id == 7
+            for _ in range(200):
+                if call.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert [(await read_within(call, 5, "decode")).tokens.token_ids[0] for _ in range(2)] == [100, 101]
+            assert await read_within(call, 5, "decode") is grpc.aio.EOF
+            hung = LinkDecodeStub(channel).Decode(decode_request("hang1", 2))
+            assert (await read_within(hung, 5, "decode")).ticket.ticket_id == 7
+            with pytest.raises(WorkerSilent, match="decode sent nothing for 0.2 s"):
+                await read_within(hung, 0.2, "decode")
+            assert hung.done()  # cancelled at the deadline
+            for _ in range(200):
+                if worker.ended.get("hang1"):
+                    break
+                await asyncio.sleep(0.01)
+            assert worker.ended["hang1"] == "cancelled"
         await server.stop(1)
 
     run(scenario)

@@ -9,7 +9,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from router.serving.backend import BackendRequest, TokenDelta
 from router.errors import Overloaded, WorkerFailure
-from router.serving.fanout import FanOut
+from router.serving.fanout import FanOut, run_shielded
 from tests.unit.router_doubles import ScriptedBackend, token_steps
 
 
@@ -94,3 +94,32 @@ def test_a_backend_error_propagates_and_the_request_is_still_aborted():
     with pytest.raises(Overloaded):
         asyncio.run(go())
     assert backend.aborted == ["r-0"]
+
+
+def test_a_cleanup_outlives_its_cancelled_caller_and_one_it_starts_runs_inline():
+    done, tasks_seen = [], []
+
+    async def inner():
+        tasks_seen.append(asyncio.current_task())
+        await asyncio.sleep(0.05)
+        done.append("inner")
+
+    async def outer():
+        tasks_seen.append(asyncio.current_task())
+        await run_shielded(inner())
+        done.append("outer")
+
+    async def go():
+        caller = asyncio.ensure_future(run_shielded(outer()))
+        await asyncio.sleep(0.01)
+        caller.cancel()  # the client left: the cleanup goes on
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.2)
+        # The caller's own later cleanups are not taken for nested ones.
+        await run_shielded(inner())
+
+    asyncio.run(go())
+    assert done == ["inner", "outer", "inner"]
+    assert tasks_seen[0] is tasks_seen[1]  # the nested cleanup ran in the outer cleanup's task
+    assert tasks_seen[2] is not tasks_seen[0]

@@ -1,0 +1,91 @@
+"""The ASCII fast path of encode gives the backend's ids, or steps aside for the backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from engine.loader.locate import default_model_path
+from engine.tokenizer import Tokenizer, ascii_words
+from engine.tokenizer.ascii_words import MAX_CHARS, AsciiWordEncoder
+from engine.tokenizer.gguf_vocab import build_backend, load_gguf, read_gguf_vocab
+
+PIECES = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", " 's", "  ", "\n\n", "\r\n", "\t", " 123",
+          "hello", " world", "<|im_start|>", "<|im_end|>", "<repo", "|>", "http://x.y/z?a=1", "...",
+          "  x", "1.5e-3", "\x0b\x0c", "\x1c\x1f", "\x7f", "Hello, World!"]
+
+
+def random_ascii(rng: random.Random, count: int) -> list[str]:
+    """Text mixing every ASCII character with contractions, whitespace runs, digits and
+    special-token spellings, where the splits differ most."""
+    texts = []
+    for _ in range(count):
+        parts = rng.randint(0, 40)
+        texts.append("".join(chr(rng.randrange(128)) if rng.random() < 0.5 else rng.choice(PIECES)
+                             for _ in range(parts)))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def smollm_backend():
+    return load_gguf(default_model_path())[0]
+
+
+def backend_ids(backend, text: str, add_special_tokens: bool) -> list[int]:
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def test_equals_the_backend_on_random_ascii_text(smollm_backend):
+    fast = AsciiWordEncoder.for_backend(smollm_backend)
+    assert fast is not None
+    for text in random_ascii(random.Random(0), 3000):
+        expected = backend_ids(smollm_backend, text, False)
+        got = fast.encode(text, False)
+        # Text holding a special token's spelling is the backend's to encode.
+        assert got is None or got == expected, repr(text)
+        assert got is not None or "<|" in text or "<repo" in text, repr(text)
+
+
+def test_equals_the_backend_with_bos_and_eos_and_the_gpt2_split():
+    vocab = dataclasses.replace(read_gguf_vocab(default_model_path()), pre="gpt-2")
+    backend = build_backend(vocab, add_bos=True, add_eos=True)
+    fast = AsciiWordEncoder.for_backend(backend)
+    assert fast is not None
+    for text in random_ascii(random.Random(1), 1000) + ["", "a 12345 b"]:
+        for add in (True, False):
+            got = fast.encode(text, add)
+            assert got is None or got == backend_ids(backend, text, add), (repr(text), add)
+    assert fast.encode("", True) == backend_ids(backend, "", True) != []
+
+
+def test_steps_aside_for_non_ascii_long_and_special_token_text(smollm_backend):
+    fast = AsciiWordEncoder.for_backend(smollm_backend)
+    assert fast.encode("caf\u00e9", False) is None
+    assert fast.encode("a" * (MAX_CHARS + 1), False) is None
+    assert fast.encode("x<|im_end|>y", False) is None
+    assert fast.encode("a" * MAX_CHARS, False) == backend_ids(smollm_backend, "a" * MAX_CHARS, False)
+
+
+def test_no_fast_path_for_splits_it_does_not_know():
+    vocab = dataclasses.replace(read_gguf_vocab(default_model_path()), pre="llama3")
+    assert AsciiWordEncoder.for_backend(build_backend(vocab, add_bos=True, add_eos=False)) is None
+
+
+def test_tokenizer_encode_and_encode_many_mix_both_paths():
+    tok = Tokenizer.from_gguf(default_model_path())
+    backend = load_gguf(default_model_path())[0]
+    texts = ["Hello there, how are you?", "caf\u00e9 au lait", "<|im_start|>user\nhi<|im_end|>", "", "x" * 5000]
+    expected = [backend_ids(backend, t, True) for t in texts]
+    assert tok.encode_many(texts) == expected
+    assert [tok.encode(t) for t in texts] == expected
+
+
+def test_the_piece_cache_is_bounded(smollm_backend, monkeypatch):
+    monkeypatch.setattr(ascii_words, "MAX_CACHED", 50)
+    fast = AsciiWordEncoder.for_backend(smollm_backend)
+    text = " ".join(f"w{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}" for i in range(400))
+    assert fast.encode(text, False) == backend_ids(smollm_backend, text, False)
+    assert fast.encode(text, False) == backend_ids(smollm_backend, text, False)
+    assert len(fast._cache) <= 50
