@@ -10,8 +10,10 @@ text repeats its words; the model keeps a cache of its own for the same reason).
 
 `AsciiWordEncoder.for_backend` builds one only for a backend it can reproduce exactly: no
 normalizer, a pre-tokenizer that is a chain of known regex splits (see ASCII_SPLITS) ending in
-the byte-level mapping, and a plain byte-level BPE model. Text that is not ASCII, is longer than
-MAX_CHARS, or contains an added token's text goes to the backend as before. Equality with the
+the byte-level mapping, a plain byte-level BPE model, and added tokens matched as written (no
+stripping around them). Added tokens written in the text (a chat template's "<|im_start|>") map
+to their ids as the backend maps them; text that is not ASCII or is longer than MAX_CHARS goes to
+the backend as before. Equality with the
 backend is tested on the default model's vocabulary (tests/unit/test_tokenizer_ascii_words.py).
 """
 
@@ -63,18 +65,21 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 _ASCII_SPELLING = {b: c for b, c in _byte_alphabet().items() if b < 128}
-_MOVED_CHARS = frozenset(c for b, c in _ASCII_SPELLING.items() if chr(b) != c)
 
 
 class AsciiWordEncoder:
     """encode() for short ASCII text, equal to the backend's; `None` from encode means "ask the
     backend". Safe to share between threads (the cache is a dict, read and written whole)."""
 
-    def __init__(self, model: models.Model, splits: list[re.Pattern[str]], added: re.Pattern[str] | None,
+    def __init__(self, model: models.Model, splits: list[re.Pattern[str]], added: dict[str, int],
                  around: tuple[list[int], list[int]]) -> None:
         self._tokenize = model.tokenize
         self._split = _splitter(splits)
-        self._added = added
+        # The backend finds added tokens in the raw text first, leftmost and then longest, and
+        # splits the text between them on its own: one alternation, longest first, does the same.
+        spellings = sorted((text for text in added if text.isascii()), key=len, reverse=True)
+        self._added = re.compile("(" + "|".join(map(re.escape, spellings)) + ")") if spellings else None
+        self._added_ids = added
         self._before, self._after = around
         self._cache: dict[str, list[int]] = {}
 
@@ -85,27 +90,36 @@ class AsciiWordEncoder:
         if backend.normalizer is not None or not _plain_byte_level_bpe(model):
             return None
         splits = _ascii_splits(backend)
-        added = [t.content for t in backend.get_added_tokens_decoder().values()]
-        if splits is None or any(_MOVED_CHARS.intersection(text) for text in added):
+        added = backend.get_added_tokens_decoder()
+        # Stripping around a token or matching it as a whole word only is the backend's to do.
+        if splits is None or any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
             return None
-        added_ascii = sorted((t for t in added if t.isascii()), key=len, reverse=True)
-        pattern = re.compile("|".join(map(re.escape, added_ascii))) if added_ascii else None
-        return cls(model, splits, pattern, _special_ids_around(backend))
+        return cls(model, splits, {t.content: i for i, t in sorted(added.items())}, _special_ids_around(backend))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """The backend's ids for `text`, or None when the backend must encode it."""
-        if len(text) > MAX_CHARS or not text.isascii() or (self._added and self._added.search(text)):
+        if len(text) > MAX_CHARS or not text.isascii():
             return None
         ids = list(self._before) if add_special_tokens else []
+        if self._added is None:
+            self._encode_text(text, ids)
+        else:  # text, token, text, ..., text (a chat template's turns)
+            for k, part in enumerate(self._added.split(text)):
+                if k % 2:
+                    ids.append(self._added_ids[part])
+                elif part:
+                    self._encode_text(part, ids)
+        if add_special_tokens:
+            ids += self._after
+        return ids
+
+    def _encode_text(self, text: str, ids: list[int]) -> None:
         cache = self._cache
         for piece in self._split(text):
             piece_ids = cache.get(piece)
             if piece_ids is None:
                 piece_ids = self._encode_piece(piece)
             ids += piece_ids
-        if add_special_tokens:
-            ids += self._after
-        return ids
 
     def _encode_piece(self, piece: str) -> list[int]:
         ids = [token.id for token in self._tokenize(piece.translate(_ASCII_SPELLING))]

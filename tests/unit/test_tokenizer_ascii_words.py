@@ -1,4 +1,5 @@
-"""The ASCII fast path of encode gives the backend's ids, or steps aside for the backend."""
+"""The ASCII fast path of encode gives the backend's ids (special tokens written in the text
+included), or steps aside for the backend."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from engine.tokenizer.gguf_vocab import build_backend, load_gguf, read_gguf_voca
 
 PIECES = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", " 's", "  ", "\n\n", "\r\n", "\t", " 123",
           "hello", " world", "<|im_start|>", "<|im_end|>", "<repo", "|>", "http://x.y/z?a=1", "...",
-          "  x", "1.5e-3", "\x0b\x0c", "\x1c\x1f", "\x7f", "Hello, World!"]
+          "  x", "1.5e-3", "\x0b\x0c", "\x1c\x1f", "\x7f", "Hello, World!", "<repo_name>", "<reponame>",
+          "<|endoftext|>", "<|im_end|>\n", "<|im_start", "<file_sep", ">"]
 
 
 def random_ascii(rng: random.Random, count: int) -> list[str]:
@@ -41,11 +43,7 @@ def test_equals_the_backend_on_random_ascii_text(smollm_backend):
     fast = AsciiWordEncoder.for_backend(smollm_backend)
     assert fast is not None
     for text in random_ascii(random.Random(0), 3000):
-        expected = backend_ids(smollm_backend, text, False)
-        got = fast.encode(text, False)
-        # Text holding a special token's spelling is the backend's to encode.
-        assert got is None or got == expected, repr(text)
-        assert got is not None or "<|" in text or "<repo" in text, repr(text)
+        assert fast.encode(text, False) == backend_ids(smollm_backend, text, False), repr(text)
 
 
 def test_equals_the_backend_with_bos_and_eos_and_the_gpt2_split():
@@ -55,17 +53,27 @@ def test_equals_the_backend_with_bos_and_eos_and_the_gpt2_split():
     assert fast is not None
     for text in random_ascii(random.Random(1), 1000) + ["", "a 12345 b"]:
         for add in (True, False):
-            got = fast.encode(text, add)
-            assert got is None or got == backend_ids(backend, text, add), (repr(text), add)
+            assert fast.encode(text, add) == backend_ids(backend, text, add), (repr(text), add)
     assert fast.encode("", True) == backend_ids(backend, "", True) != []
 
 
-def test_steps_aside_for_non_ascii_long_and_special_token_text(smollm_backend):
+def test_steps_aside_for_non_ascii_and_long_text(smollm_backend):
     fast = AsciiWordEncoder.for_backend(smollm_backend)
     assert fast.encode("caf\u00e9", False) is None
     assert fast.encode("a" * (MAX_CHARS + 1), False) is None
-    assert fast.encode("x<|im_end|>y", False) is None
     assert fast.encode("a" * MAX_CHARS, False) == backend_ids(smollm_backend, "a" * MAX_CHARS, False)
+
+
+def test_a_rendered_chat_prompt_takes_the_fast_path_with_its_special_tokens():
+    tok = Tokenizer.from_gguf(default_model_path())
+    backend = load_gguf(default_model_path())[0]
+    prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "What's 2+2? Say it twice."}],
+                                     add_generation_prompt=True)
+    fast = AsciiWordEncoder.for_backend(backend)
+    assert prompt.startswith("<|im_start|>system")
+    assert fast.encode(prompt, True) == backend_ids(backend, prompt, True)
+    assert fast.encode(prompt, True)[0] == backend.token_to_id("<|im_start|>")
 
 
 def test_no_fast_path_for_splits_it_does_not_know():
