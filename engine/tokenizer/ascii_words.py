@@ -2,19 +2,21 @@
 
 `tokenizers` spends most of a short prompt's encode outside the BPE merges: Unicode regex splits
 (Oniguruma) and per-character alignment bookkeeping, ~70-100 us for a 32-token prompt warm and
-~350 us when the rest of a request has pushed its tables out of the CPU's caches, which is
-every request in the router (here: ~15-80 us and ~80-115 us). For ASCII text the splits need no Unicode tables (`\\p{L}` is
-[A-Za-z], `\\p{N}` is [0-9]), so Python's `re` does them in a few microseconds, and each piece
-then goes through the same BPE model, with its ids kept in a bounded per-piece cache (natural
-text repeats its words; the model keeps a cache of its own for the same reason).
+~350 us when the rest of a request has pushed its tables out of the CPU's caches, which is every
+request in the router (here: ~15-80 us and ~80-115 us). For ASCII text the splits need no
+Unicode tables (`\\p{L}` is [A-Za-z], `\\p{N}` is [0-9]), so Python's `re` does them in a few
+microseconds, and each piece then goes through the same BPE model, with its ids kept in a
+bounded per-piece cache (natural text repeats its words; the model keeps a cache of its own for
+the same reason).
 
 `AsciiWordEncoder.for_backend` builds one only for a backend it can reproduce exactly: no
-normalizer, a pre-tokenizer that is a chain of known regex splits (see ASCII_SPLITS) ending in
-the byte-level mapping, a plain byte-level BPE model, and added tokens matched as written (no
-stripping around them). Added tokens written in the text (a chat template's "<|im_start|>") map
-to their ids as the backend maps them; text that is not ASCII or is longer than MAX_CHARS goes to
-the backend as before. Equality with the
-backend is tested on the default model's vocabulary (tests/unit/test_tokenizer_ascii_words.py).
+normalizer, a pre-tokenizer that is a chain of known regex splits (see ASCII_SPLITS; ours for
+GGUF files) or single-digit splits ending in the byte-level mapping (with or without its own
+GPT-2 regex, HF folders' usual form), a plain byte-level BPE model, and added tokens matched as
+written (no stripping around them). Added tokens written in the text (a chat template's
+"<|im_start|>") map to their ids as the backend maps them; text that is not ASCII or is longer
+than MAX_CHARS goes to the backend as before. Equality with the backend is tested on the default
+model's vocabulary (tests/unit/test_tokenizer_ascii_words.py).
 """
 
 from __future__ import annotations
@@ -137,23 +139,28 @@ def _plain_byte_level_bpe(model: models.Model) -> bool:
 
 
 def _ascii_splits(backend: BackendTokenizer) -> list[re.Pattern[str]] | None:
-    """The backend's regex splits as ASCII patterns, when its pre-tokenizer is known splits
-    (isolated) followed by the byte-level mapping without a regex of its own."""
+    """The backend's splits as ASCII patterns, when its pre-tokenizer is a chain of known
+    isolated regex splits (or single-digit splits) ending in the byte-level mapping; that
+    mapping's own regex (`use_regex`, HF's GPT-2 default) is the GPT-2 split."""
     if backend.pre_tokenizer is None:
         return None
     config = json.loads(backend.pre_tokenizer.__getstate__())
     steps = config.get("pretokenizers", []) if config.get("type") == "Sequence" else [config]
-    if not steps or steps[-1] != {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                                  "use_regex": False}:
+    if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
         return None
-    splits = []
+    patterns = []
     for step in steps[:-1]:
         pattern = step.get("pattern", {}).get("Regex")
-        if (step.get("type") != "Split" or step.get("behavior") != "Isolated" or step.get("invert")
-                or pattern not in ASCII_SPLITS):
+        if step == {"type": "Digits", "individual_digits": True}:
+            patterns.append(ASCII_SPLITS[r"\p{N}"])
+        elif (step.get("type") == "Split" and step.get("behavior") == "Isolated" and not step.get("invert")
+                and pattern in ASCII_SPLITS):
+            patterns.append(ASCII_SPLITS[pattern])
+        else:
             return None
-        splits.append(re.compile(f"({ASCII_SPLITS[pattern]})"))
-    return splits or None
+    if steps[-1].get("use_regex"):
+        patterns.append(ASCII_SPLITS[GPT2_SPLIT])
+    return [re.compile(f"({pattern})") for pattern in patterns] or None
 
 
 def _special_ids_around(backend: BackendTokenizer) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ from engine.loader.locate import default_model_path
 from engine.tokenizer import Tokenizer, ascii_words
 from engine.tokenizer.ascii_words import MAX_CHARS, AsciiWordEncoder
 from engine.tokenizer.gguf_vocab import build_backend, load_gguf, read_gguf_vocab
+from engine.tokenizer.hf_dir import load_hf_dir
 
 PIECES = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", " 's", "  ", "\n\n", "\r\n", "\t", " 123",
           "hello", " world", "<|im_start|>", "<|im_end|>", "<repo", "|>", "http://x.y/z?a=1", "...",
@@ -97,3 +98,42 @@ def test_the_piece_cache_is_bounded(smollm_backend, monkeypatch):
     assert fast.encode(text, False) == backend_ids(smollm_backend, text, False)
     assert fast.encode(text, False) == backend_ids(smollm_backend, text, False)
     assert len(fast._cache) <= 50
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """The tokenizer.json HF transformers writes for the default model: a byte-level
+    pre-tokenizer with the GPT-2 regex of its own (use_regex), no digit split."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def hf_folder_backend(hf_folder):
+    return load_hf_dir(hf_folder)[0]
+
+
+def test_equals_an_hf_folders_tokenizer_and_its_digit_splitting_variant(hf_folder_backend):
+    from tokenizers import pre_tokenizers
+
+    backend = hf_folder_backend
+    variants = [None, pre_tokenizers.Sequence([  # SmolLM2's own tokenizer.json
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])]
+    for variant in variants:
+        if variant is not None:
+            backend.pre_tokenizer = variant
+        fast = AsciiWordEncoder.for_backend(backend)
+        assert fast is not None
+        for text in random_ascii(random.Random(2), 1000) + ["a 12345 b", "x  42"]:
+            assert fast.encode(text, True) == backend_ids(backend, text, True), repr(text)
+
+
+def test_no_fast_path_where_the_byte_level_step_adds_a_prefix_space(hf_folder_backend):
+    from tokenizers import pre_tokenizers
+
+    hf_folder_backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    assert AsciiWordEncoder.for_backend(hf_folder_backend) is None
