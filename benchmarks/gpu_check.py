@@ -22,6 +22,10 @@ is recorded and the next one runs):
   workers share one GPU): `pdserve up --prefill 1 --decode 1 --device cuda --dtype float32
   --kv-transfer <backend>`, the 30 prompts at once over HTTP; tokens against the engine's
   (run engine first), the path each took, and both KV pools empty afterwards.
+- cluster-memory: the same with cuda_ipc but no block count, so the launcher splits its default
+  share of the GPU (0.9 of the whole) between the two workers: their pools, the GPU memory held,
+  the same tokens; and, while they hold it, an engine asking for half the GPU must be refused at
+  start with the numbers.
 - ipc-bandwidth: cuda_ipc between this process and a sender process (payloads of 64 MiB to
   1 GiB) against the device's own copy.
 - throughput: decode tokens/s at batch 1, 32 and 128 (32-token prompts, 128 new tokens),
@@ -210,24 +214,30 @@ def _hf_tokens(args) -> list[list[int]]:
     return tokens
 
 
-def stage_cluster(backend: str, args, results: dict) -> None:
+def stage_cluster(backend: str, args, results: dict, name: str | None = None, sized: bool = True,
+                  while_up=None) -> None:
+    """`pdserve up` with one prefill and one decode worker on the device. sized: each KV cache
+    is --num-gpu-blocks-override blocks; else the launcher's default share of the GPU, split
+    between the two workers. while_up(cluster, res) runs before the cluster stops."""
     import asyncio
 
     import httpx
 
     from tests.e2e.cluster import start_cluster
 
+    name = name or f"cluster-{backend}"
     want = args.tokens.get("float32", {}).get("kernels")
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--model", str(args.model), "--device", args.device, "--dtype", "float32",
                  "--served-model-name", "smollm2-random",
-                 "--kv-transfer", backend, "--prefill", "1", "--decode", "1",
-                 "--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "1024"]
+                 "--kv-transfer", backend, "--prefill", "1", "--decode", "1", "--max-model-len", "1024"]
+        if sized:
+            flags += ["--num-gpu-blocks-override", str(args.blocks)]
         started = time.monotonic()
         try:
             cluster = start_cluster(Path(tmp), *flags, timeout_s=150)
         except RuntimeError as exc:
-            (args.out / f"cluster-{backend}.log").write_text(str(exc))
+            (args.out / f"{name}.log").write_text(str(exc))
             raise
         up_s = time.monotonic() - started
         try:
@@ -254,10 +264,45 @@ def stage_cluster(backend: str, args, results: dict) -> None:
                 div = [_first_divergence(a, b) for a, b in zip(got, want)]
                 res.update(identical_to_engine=sum(a == b for a, b in zip(got, want)),
                            prompts=len(div), first_divergence=div)
-            results[f"cluster-{backend}"] = res
+            results[name] = res
+            if while_up is not None:
+                while_up(cluster, res)
         finally:
             cluster.stop()
-            (args.out / f"cluster-{backend}.log").write_text(cluster.log.read_text()[-20000:])
+            (args.out / f"{name}.log").write_text(cluster.log.read_text()[-20000:])
+
+
+def stage_cluster_memory(args, results: dict) -> None:
+    """The launcher's GPU memory split: `pdserve up` without a block count, so each of its two
+    workers on the one GPU takes its share of the default 0.9 (a share of the whole GPU, as in
+    vLLM). Then, with those two holding their memory, an engine asking for half the GPU must be
+    refused at start with the numbers, not fail while allocating its cache."""
+    import re
+
+    import torch
+
+    from engine import LLM
+
+    def while_up(cluster, res):
+        res["capacity_lines"] = [line for line in cluster.log.read_text().splitlines()
+                                 if re.search(r"blocks x \d+ = ", line)][:4]
+        if args.device != "cuda":  # a dry run of the stage itself: no GPU memory to read or split
+            return
+        free, total = torch.cuda.mem_get_info()
+        res["gpu_used_while_up_gib"] = round((total - free) / 2**30, 1)
+        res["gpu_total_gib"] = round(total / 2**30, 1)
+        try:
+            LLM(model=str(args.model), dtype="float32", device=args.device, max_model_len=1024,
+                gpu_memory_utilization=0.5)
+            res["half_gpu_engine"] = "started (expected a refusal)"
+        except Exception as exc:  # the refusal is the expected outcome; record its words
+            res["half_gpu_engine"] = f"{type(exc).__name__}: {exc}"[:600]
+        torch.cuda.empty_cache()
+
+    backend = "cuda_ipc" if args.device == "cuda" else "gloo"  # gloo: the dry run on a CPU
+    stage_cluster(backend, args, results, name="cluster-memory", sized=False, while_up=while_up)
+    res = results["cluster-memory"]
+    res["pool_blocks"] = {wid: total for wid, (total, _free, _res) in res["pools_after"].items()}
 
 
 def stage_throughput(args, results: dict) -> None:
@@ -425,6 +470,7 @@ def run(args) -> int:
               "cluster-cuda_ipc": lambda a, r: stage_cluster("cuda_ipc", a, r),
               "cluster-nccl": lambda a, r: stage_cluster("nccl", a, r),
               "cluster-gloo": lambda a, r: stage_cluster("gloo", a, r),
+              "cluster-memory": stage_cluster_memory,
               "ipc-bandwidth": stage_ipc_bandwidth}
     unknown = sorted(set(args.stages.split(",")) - set(stages))
     if unknown:
@@ -457,7 +503,8 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--inputs", type=Path, default=ROOT / ".gpu")
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--stages", default="kernels,engine,cluster-cuda_ipc,cluster-gloo,ipc-bandwidth,throughput")
+    r.add_argument("--stages", default="kernels,engine,cluster-cuda_ipc,cluster-memory,cluster-gloo,ipc-bandwidth,"
+                                      "throughput")
     r.add_argument("--blocks", type=int, default=4096, help="KV blocks per engine")
     r.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     r.add_argument("--model", type=Path, default=None,
