@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.api.event_stream import ClientDisconnected, EventStreamResponse, until_disconnect
+from router.api.event_stream import ClientDisconnected, DisconnectWatch, EventStreamResponse
 from router.api.http_guards import error_response, replay_body
 from router.api.openai_encode import (
     TOKEN_TIMES_HEADER, ChatChunks, ChunkEncoder, CompletionChunks, WithTokenTimes, chat_body, completion_body,
@@ -53,10 +53,16 @@ async def completion(service: RouterService, body: CompletionRequest, request_id
                      headers: Mapping[str, str]) -> Response:
     """POST /v1/completions: an SSE stream or one JSON body. Raises RouterError, ClientDisconnected."""
     ids = bool(body.return_token_ids)
-    if body.stream:
-        stream = await until_disconnect(receive, service.stream_complete(body, request_id))
-        return _event_stream(stream, _token_times(headers, CompletionChunks(stream, ids)))
-    result = await until_disconnect(receive, service.complete(body, request_id))
+    watch = DisconnectWatch(receive)
+    try:
+        if body.stream:
+            stream = await watch.until(service.stream_complete(body, request_id))
+            return _event_stream(stream, _token_times(headers, CompletionChunks(stream, ids)), watch)
+        result = await watch.until(service.complete(body, request_id))
+    except BaseException:
+        watch.close()
+        raise
+    watch.close()
     return FastJSONResponse(completion_body(result, ids), headers=_path_headers(result.head))
 
 
@@ -64,10 +70,16 @@ async def chat_completion(service: RouterService, body: ChatCompletionRequest, r
                           headers: Mapping[str, str]) -> Response:
     """POST /v1/chat/completions (see completion)."""
     ids = bool(body.return_token_ids)
-    if body.stream:
-        stream = await until_disconnect(receive, service.stream_chat(body, request_id))
-        return _event_stream(stream, _token_times(headers, ChatChunks(stream, ids)))
-    result = await until_disconnect(receive, service.chat(body, request_id))
+    watch = DisconnectWatch(receive)
+    try:
+        if body.stream:
+            stream = await watch.until(service.stream_chat(body, request_id))
+            return _event_stream(stream, _token_times(headers, ChatChunks(stream, ids)), watch)
+        result = await watch.until(service.chat(body, request_id))
+    except BaseException:
+        watch.close()
+        raise
+    watch.close()
     return FastJSONResponse(chat_body(result, ids), headers=_path_headers(result.head))
 
 
@@ -97,8 +109,10 @@ def _path_headers(head: ResponseHead) -> dict[str, str]:
     return headers
 
 
-def _event_stream(stream: ResponseStream, chunks: ChunkEncoder) -> EventStreamResponse:
-    return EventStreamResponse(sse_lines(stream, chunks), stream.aclose, headers=_path_headers(stream.head))
+def _event_stream(stream: ResponseStream, chunks: ChunkEncoder, watch: DisconnectWatch) -> EventStreamResponse:
+    """The stream's SSE response, which takes over the request's disconnect watch."""
+    return EventStreamResponse(sse_lines(stream, chunks), stream.aclose, headers=_path_headers(stream.head),
+                               watch=watch)
 
 
 # ------------------------------------------------------------------ the fast path

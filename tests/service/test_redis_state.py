@@ -407,3 +407,37 @@ def test_a_reader_without_a_secret_takes_signed_and_unsigned_heartbeats(server, 
             await reader.aclose()
 
     asyncio.run(main())
+
+
+def test_a_heartbeat_read_again_unchanged_is_not_verified_again(server, monkeypatch):
+    """Reads (every 0.1 s) outnumber heartbeats (seconds apart): a hash whose bytes are the
+    same as the last read's reuses what it verified and parsed to; a changed one is verified
+    again (the tampering case is test_a_reader_holding_the_secret_takes_only_signed_heartbeats)."""
+    import router.cluster.state as state
+
+    calls = []
+    real = state.verified_info
+    monkeypatch.setattr(state, "verified_info", lambda *a: calls.append(1) or real(*a))
+    client = sync_client(server.url, decode_responses=True)
+    info = dataclasses.replace(FakeWorker("w")(), updated_at=time.time() + 60)
+    try:
+        client.hset(worker_key(CLUSTER, "w"), mapping=signed_hash(info, CLUSTER, SECRET))
+        client.sadd(workers_set_key(CLUSTER), "w")
+
+        async def main() -> None:
+            reader = ClusterStateReader(server.url, CLUSTER, max_age_s=0.0, secret=SECRET)
+            try:
+                first = await reader.snapshot()
+                second = await reader.snapshot()
+                assert worker_ids(first) == worker_ids(second) == ["w"]
+                assert second.workers[0] is first.workers[0] and len(calls) == 1
+                moved = dataclasses.replace(info, queued_prefill_tokens=7)
+                client.hset(worker_key(CLUSTER, "w"), mapping=signed_hash(moved, CLUSTER, SECRET))
+                third = await reader.snapshot()
+                assert third.workers[0].queued_prefill_tokens == 7 and len(calls) == 2
+            finally:
+                await reader.aclose()
+
+        asyncio.run(main())
+    finally:
+        client.close()

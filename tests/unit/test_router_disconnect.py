@@ -167,3 +167,57 @@ def test_until_disconnect_with_a_broken_receive_still_finishes_the_work():
         return await until_disconnect(receive, work())
 
     assert asyncio.run(asyncio.wait_for(go(), timeout=5)) == "done"
+
+
+def test_one_disconnect_watch_serves_the_handler_and_the_response():
+    """A request's DisconnectWatch keeps one watcher (one pending receive) across both of its
+    waits; a client that leaves between them is found at the second, whose work never starts;
+    close() ends the watcher."""
+    from router.api.event_stream import ClientDisconnected, DisconnectWatch
+
+    async def go() -> None:
+        left = asyncio.Event()
+        receives = 0
+
+        async def receive() -> dict:
+            nonlocal receives
+            receives += 1
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def work(result: str) -> str:
+            await asyncio.sleep(0)
+            return result
+
+        watch = DisconnectWatch(receive)
+        assert await watch.until(work("first")) == "first"
+        assert await watch.until(work("second")) == "second"
+        assert receives == 1  # one watcher for both
+
+        left.set()  # the client leaves while nothing is awaited
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert watch.left
+        started = []
+
+        async def never() -> None:
+            started.append(True)
+
+        try:
+            await watch.until(never())
+        except ClientDisconnected:
+            started.append("disconnected")
+        assert started == ["disconnected"]  # its work was closed, not run
+        assert asyncio.current_task().cancelling() == 0
+        watch.close()
+
+        # close() while the watcher waits: it ends, and cancels nobody
+        left.clear()
+        watch = DisconnectWatch(receive)
+        assert await watch.until(work("x")) == "x"
+        watcher = watch._watcher
+        watch.close()
+        await asyncio.sleep(0)
+        assert watcher.cancelled()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=5))
