@@ -17,9 +17,9 @@ GPT-2 regex, HF folders' usual form), a plain byte-level BPE model, and added to
 written (no stripping around them). Added tokens written in the text (a chat template's
 "<|im_start|>") map to their ids as the backend maps them. Text longer than MAX_CHARS, with a
 character beyond the Basic Multilingual Plane (emoji), or with one unassigned in Unicode 14.0 (or
-a lone surrogate), goes to the backend as before.
-Equality with the backend is tested on the default model's vocabulary, every assigned character
-included (tests/unit/test_tokenizer_fast_words.py).
+a lone surrogate), goes to the backend as before. Equality with the backend is tested on the
+default model's vocabulary, every assigned character of that plane included
+(tests/unit/test_tokenizer_fast_words.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ exactly as the backend's regex engine (Oniguruma, whose tables are Unicode 15 or
 `tokenizers` builds we use) does, so a character its tables may not know (one unassigned in
 14.0, or assigned after the running Python's version) sends the text to the backend instead of
 being guessed at. Characters assigned in 14.0 have the same categories in Oniguruma's tables:
-tests/unit/test_tokenizer_fast_words.py checks every one of them against the backend's splits.
+tests/unit/test_tokenizer_fast_words.py checks every one of the Basic Multilingual Plane (the
+fast path's range) against the backend's splits.
 `ranges_of(category_letter)` recomputes a class from unicodedata (the test compares it on
 Unicode 14.0.0).
 """

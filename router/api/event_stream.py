@@ -4,8 +4,9 @@ Starlette's StreamingResponse finds out about a disconnect only when a write fai
 2.4) or cancels the body task without closing the iterator (older servers), so a backend could
 keep generating for nobody. This response writes the lines in the handler's own task while a
 watcher task listens for `http.disconnect` and cancels the writing when it comes
-(`DisconnectWatch`, the same one that watched the handler's wait for the first token); either way it then closes the lines and the source, shielded from
-cancellation, so the backend always hears the abort.
+(`DisconnectWatch`, the same one that watched the handler's wait for the first token); either
+way it then closes the lines and the source, shielded from cancellation, so the backend always
+hears the abort.
 
 The work stays in the handler's task rather than a task of its own: a token that arrives goes
 on to the client in the same loop pass, where a task of its own reached its waiter a pass or
