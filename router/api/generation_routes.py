@@ -53,34 +53,44 @@ async def completion(service: RouterService, body: CompletionRequest, request_id
                      headers: Mapping[str, str]) -> Response:
     """POST /v1/completions: an SSE stream or one JSON body. Raises RouterError, ClientDisconnected."""
     ids = bool(body.return_token_ids)
-    watch = DisconnectWatch(receive)
-    try:
+
+    async def respond(watch: DisconnectWatch) -> Response:
         if body.stream:
             stream = await watch.until(service.stream_complete(body, request_id))
             return _event_stream(stream, _token_times(headers, CompletionChunks(stream, ids)), watch)
         result = await watch.until(service.complete(body, request_id))
-    except BaseException:
-        watch.close()
-        raise
-    watch.close()
-    return FastJSONResponse(completion_body(result, ids), headers=_path_headers(result.head))
+        return FastJSONResponse(completion_body(result, ids), headers=_path_headers(result.head))
+
+    return await _watched(receive, respond)
 
 
 async def chat_completion(service: RouterService, body: ChatCompletionRequest, request_id: str, receive: Receive,
                           headers: Mapping[str, str]) -> Response:
     """POST /v1/chat/completions (see completion)."""
     ids = bool(body.return_token_ids)
-    watch = DisconnectWatch(receive)
-    try:
+
+    async def respond(watch: DisconnectWatch) -> Response:
         if body.stream:
             stream = await watch.until(service.stream_chat(body, request_id))
             return _event_stream(stream, _token_times(headers, ChatChunks(stream, ids)), watch)
         result = await watch.until(service.chat(body, request_id))
+        return FastJSONResponse(chat_body(result, ids), headers=_path_headers(result.head))
+
+    return await _watched(receive, respond)
+
+
+async def _watched(receive: Receive, respond: Callable[[DisconnectWatch], Awaitable[Response]]) -> Response:
+    """`respond` under the request's disconnect watch. An event stream takes the watch over (it
+    watches the writing too, then closes it); any other answer, or an error, closes it here."""
+    watch = DisconnectWatch(receive)
+    try:
+        response = await respond(watch)
     except BaseException:
         watch.close()
         raise
-    watch.close()
-    return FastJSONResponse(chat_body(result, ids), headers=_path_headers(result.head))
+    if not isinstance(response, EventStreamResponse):
+        watch.close()
+    return response
 
 
 Handler = Callable[[RouterService, object, str, Receive, Mapping[str, str]], Awaitable[Response]]
