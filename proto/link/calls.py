@@ -76,7 +76,11 @@ class LinkStreamCall(Call):
         self.starting: asyncio.Future | None = None
         """The connect-then-send of a call made while the channel had no open connection."""
 
-    async def read(self):
+    async def read(self, timeout_s: float | None = None):
+        """The next response, grpc.aio.EOF at a clean end, or the end's LinkRpcError. With
+        `timeout_s`: TimeoutError when nothing came within it (the call itself is left as is).
+        The deadline is one timer on the wait, not asyncio.timeout's task bookkeeping (a
+        router reads a stream a few times per request)."""
         while True:
             if self._messages:
                 return self.response_type.FromString(self._messages.popleft())
@@ -87,11 +91,15 @@ class LinkStreamCall(Call):
                 if status.code == grpc.StatusCode.OK:
                     return grpc.aio.EOF
                 raise self.error()
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _time_out, waiter)
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
 
     def read_nowait(self):
         """The next response if it has been received already, else None (without waiting, and
@@ -120,6 +128,11 @@ class LinkStreamCall(Call):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def _time_out(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class UnaryCall(Call):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto.limits import NO_ROOM_METADATA_KEY
+from proto.link.calls import LinkStreamCall
 from router.errors import InvalidRequest, WorkerFailure
 
 
@@ -45,12 +46,9 @@ class WorkerSilent(WorkerFailure):
 async def read_within(stream, timeout_s: float, what: str):
     """The next message of a grpc.aio stream, or WorkerSilent after `timeout_s` of nothing
     (the call is cancelled then). Raises the stream's AioRpcError as is."""
-    read_nowait = getattr(stream, "read_nowait", None)  # a worker link call's; grpc.aio has none
-    if read_nowait is not None:
-        message = read_nowait()
-        if message is not None:  # already here: no deadline to arm (a timer in and out of the loop's heap)
-            return message
     try:
+        if isinstance(stream, LinkStreamCall):  # bounds its own wait (one timer, no task bookkeeping)
+            return await stream.read(timeout_s)
         async with asyncio.timeout(timeout_s):  # not wait_for: 3.11's may swallow a cancellation
             return await stream.read()
     except TimeoutError:

@@ -414,3 +414,23 @@ def test_read_within_hands_out_what_has_arrived_and_bounds_the_wait_for_the_rest
         await server.stop(1)
 
     run(scenario)
+
+
+def test_a_bounded_read_times_out_without_ending_the_call_and_an_unbounded_one_still_gets_the_end():
+    async def scenario():
+        server, _, address = await started()
+        async with LinkChannel(address, SECRET) as channel:
+            hung = LinkDecodeStub(channel).Decode(decode_request("hang2", 2))
+            assert (await hung.read(5)).ticket.ticket_id == 7
+            with pytest.raises(TimeoutError):
+                await hung.read(0.05)
+            assert not hung.done()  # the caller decides: read_within cancels it
+            assert hung.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await hung.read(5)
+            call = LinkDecodeStub(channel).Decode(decode_request("r11", 1))
+            assert [e.WhichOneof("event") for e in [await call.read(5), await call.read(5)]] == ["ticket", "tokens"]
+            assert await call.read() is grpc.aio.EOF
+        await server.stop(1)
+
+    run(scenario)
