@@ -96,8 +96,10 @@ def ideal_hit_rate(work: Workload) -> float:
 class Cluster:
     """Embedded Redis, 2 prefill workers, 1 decode worker and a router, as processes."""
 
-    def __init__(self, policy: str, prefill_blocks: int, workdir: Path, queue_weight: float = 0.5) -> None:
+    def __init__(self, policy: str, prefill_blocks: int, workdir: Path, queue_weight: float = 0.5,
+                 max_model_len: int = 2048) -> None:
         self.policy = policy
+        self.max_model_len = max_model_len
         self.queue_weight = queue_weight
         self.prefill_blocks = prefill_blocks
         self.workdir = workdir
@@ -112,7 +114,7 @@ class Cluster:
         self.redis = EmbeddedRedis().start()
         share_cluster_secrets(self.redis)
         common = ["--redis-url", self.redis.url, "--dtype", "float32", "--num-threads", "1",
-                  "--max-model-len", "2048", "--host", HOST]
+                  "--max-model-len", str(self.max_model_len), "--host", HOST]
         for name, role, extra in (
             ("prefill-0", "prefill", ["--num-gpu-blocks-override", str(self.prefill_blocks)]),
             ("prefill-1", "prefill", ["--num-gpu-blocks-override", str(self.prefill_blocks)]),
@@ -215,7 +217,7 @@ async def _drive(base_url: str, work: Workload, concurrency: int) -> list[float 
 
 def run_policy(policy: str, work: Workload, args: argparse.Namespace) -> PolicyResult:
     workdir = Path(tempfile.mkdtemp(prefix=f"pdserve-prefix-{policy}-"))
-    cluster = Cluster(policy, args.prefill_blocks, workdir, args.queue_weight)
+    cluster = Cluster(policy, args.prefill_blocks, workdir, args.queue_weight, args.max_model_len)
     try:
         cluster.start()
         hits0, queries0 = cluster.prefix_counters()
@@ -274,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suffix-len", type=int, default=24)
     p.add_argument("--prefill-blocks", type=int, default=330,
                    help="KV blocks per prefill worker (330 x 16 tokens: 5 system prompts)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="the workers' --max-model-len (a prefill worker's blocks must hold one such request)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--queue-weight", type=float, default=0.5, help="the router's --prefill-queue-weight")

@@ -4,6 +4,7 @@
 # committed to this repository; everything lives in a cache directory.
 #
 # Usage:  benchmarks/peers/build_llamacpp.sh            (prints the binary's path on its last line)
+#         benchmarks/peers/build_llamacpp.sh --built-only  (prints it if built, else exits 3; builds nothing)
 #         PDSERVE_PEERS_DIR=/some/dir benchmarks/peers/build_llamacpp.sh
 #
 # Idempotent: when the binary for this version is already installed it only prints its path.
@@ -39,6 +40,10 @@ if [[ -x "${BINARY}" ]]; then
     log "already built: ${BINARY}"
     echo "${BINARY}"
     exit 0
+fi
+if [[ "${1:-}" == "--built-only" ]]; then
+    log "not built: ${BINARY}"
+    exit 3
 fi
 
 # 1. The sdist (76 MB; pip keeps it in SDIST_DIR, so a re-run does not download it again).
