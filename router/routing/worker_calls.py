@@ -44,8 +44,9 @@ class WorkerSilent(WorkerFailure):
 
 
 async def read_within(stream, timeout_s: float, what: str):
-    """The next message of a grpc.aio stream, or WorkerSilent after `timeout_s` of nothing
-    (the call is cancelled then). Raises the stream's AioRpcError as is."""
+    """The next message of a stream call (grpc.aio's or the worker link's; a message already
+    received comes at once, with no deadline armed), or WorkerSilent after `timeout_s` of
+    nothing (the call is cancelled then). Raises the stream's AioRpcError as is."""
     try:
         if isinstance(stream, LinkStreamCall):  # bounds its own wait (one timer, no task bookkeeping)
             return await stream.read(timeout_s)
