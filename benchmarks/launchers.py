@@ -1,7 +1,7 @@
 """`pdserve up` with local processes vs on Ray: time to first answer and memory per component,
 side by side in one run.
 
-    .venv/bin/python benchmarks/launchers.py [--rounds 2] [--kv-cache-memory 256MiB]
+    .venv/bin/python benchmarks/launchers.py [--rounds 2] [--kv-cache-memory 256MiB] [--no-results]
 
 Method (printed with the results too):
 
@@ -151,6 +151,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="runs of each launcher (alternating order)")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache of each worker")
+    parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     results: dict[str, list[tuple[float, dict[str, float]]]] = {"local": [], "ray": []}
     for round_ in range(args.rounds):
@@ -175,8 +176,12 @@ def main() -> int:
     headers = ["", "local processes", "Ray actors", "Ray / local"]
     print(text_table(headers, rows))
     method = __doc__.split("Method (printed with the results too):")[1].strip()
-    append_results("pdserve up: local processes vs Ray actors",
-                   f"{markdown_table(headers, rows)}\n\nMedian of {args.rounds} rounds.\n\n{method}\n")
+    if args.no_results:
+        print("(RESULTS.md left alone)")
+        return 0
+    path = append_results("pdserve up: local processes vs Ray actors",
+                          f"{markdown_table(headers, rows)}\n\nMedian of {args.rounds} rounds.\n\n{method}\n")
+    print(f"appended to {path}")
     return 0
 
 
