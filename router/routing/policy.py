@@ -57,22 +57,30 @@ class RouteRequest:
     cached_blocks: tuple[tuple[str, int], ...] = ()
     """(worker_id, leading prompt blocks that worker holds in its prefix cache, counted in
     its own block size), from the router's prefix index; a worker not listed holds none."""
+    held_blocks: tuple[tuple[str, int], ...] = ()
+    """(worker_id, blocks of any prompt the router's prefix index holds for that worker): how
+    full of other prefixes its cache is; a worker not listed holds none."""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0; got {self.num_prompt_tokens}")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 or None; got {self.max_tokens}")
-        ids = [worker_id for worker_id, _ in self.cached_blocks]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"cached_blocks names a worker twice: {ids}")
-        for worker_id, count in self.cached_blocks:
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ValueError(f"cached_blocks[{worker_id!r}] must be an int >= 0; got {count!r}")
+        for name, pairs in (("cached_blocks", self.cached_blocks), ("held_blocks", self.held_blocks)):
+            ids = [worker_id for worker_id, _ in pairs]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{name} names a worker twice: {ids}")
+            for worker_id, count in pairs:
+                if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                    raise ValueError(f"{name}[{worker_id!r}] must be an int >= 0; got {count!r}")
 
     def cached_for(self, worker_id: str) -> int:
         """Leading prompt blocks worker_id holds (0 when the index knows of none)."""
         return next((count for wid, count in self.cached_blocks if wid == worker_id), 0)
+
+    def held_by(self, worker_id: str) -> int:
+        """Blocks of any prompt the index holds for worker_id (0 when it knows of none)."""
+        return next((count for wid, count in self.held_blocks if wid == worker_id), 0)
 
 
 @dataclass(frozen=True)
@@ -290,7 +298,9 @@ def cache_aware(
 ) -> RouteDecision | None:
     """Prefill: lowest cost = weights.uncached_token * prompt tokens the worker does not hold
     (request.cached_for blocks of its block_size are reused) + weights.queued_token * its
-    queued prefill tokens; then fewest running; then rng.
+    queued prefill tokens; then fewest running; then the fewest blocks the index holds for it
+    (a prompt nobody holds goes where it evicts the least: three new prefixes on two idle
+    workers split 2/1, not 3/0); then rng.
     Decode: most blocks left after reserving the prompt's blocks less those it holds
     (free - reserved - needed), then fewest running, then rng; chosen even when none has
     room (the worker refuses with the numbers). rng is drawn only on a full tie."""
@@ -302,7 +312,9 @@ def cache_aware(
     prefillers = snapshot.prefill_workers()
     prefill = (
         _pick_lowest(
-            prefillers, lambda w: (_prefill_price(w, request, weights).cost, w.num_running), rng
+            prefillers,
+            lambda w: (_prefill_price(w, request, weights).cost, w.num_running, request.held_by(w.worker_id)),
+            rng,
         )
         if prefillers
         else None
@@ -329,6 +341,7 @@ def cache_aware(
             ("prefill_uncached_tokens", float(price.uncached_tokens)),
             ("prefill_queued_tokens", float(prefill.queued_prefill_tokens)),
             ("prefill_running", float(prefill.num_running)),
+            ("prefill_held_blocks", float(request.held_by(prefill.worker_id))),
             ("prefill_cost", float(price.cost)),
             ("weight_uncached_token", float(weights.uncached_token)),
             ("weight_queued_token", float(weights.queued_token)),

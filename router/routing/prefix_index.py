@@ -161,6 +161,10 @@ class PrefixIndex:
         """worker_id -> the incarnation the index holds for it."""
         return {worker_id: w.incarnation for worker_id, w in self._workers.items()}
 
+    def holdings(self) -> dict[str, tuple[str, int]]:
+        """worker_id -> (the incarnation the index holds for it, how many hashes it holds)."""
+        return {worker_id: (w.incarnation, len(w.hashes)) for worker_id, w in self._workers.items()}
+
     def blocks_of(self, worker_id: str) -> frozenset[BlockHash]:
         """The hashes the index holds for worker_id (empty when it holds none)."""
         worker = self._workers.get(worker_id)
@@ -312,18 +316,23 @@ def route_request(
 ) -> RouteRequest:
     """The RouteRequest for a prompt, with `cached_blocks` filled from the index: for each
     worker in the snapshot, the leading prompt blocks it holds, counted in its own block size
-    (the prompt is hashed once per distinct block size; sizes never share hashes). Entries the
+    (the prompt is hashed once per distinct block size; sizes never share hashes), and
+    `held_blocks`: how many blocks of any prompt the index holds for each worker. Entries the
     index holds for another incarnation than the heartbeat's count as nothing."""
-    held = index.workers()
+    holdings = index.holdings()
+    current = {w.worker_id: w.incarnation for w in snapshot.workers}
+    held = {worker_id: count for worker_id, (incarnation, count) in holdings.items()
+            if count and current.get(worker_id) == incarnation}
     cached: dict[str, int] = {}
     for block_size in sorted({w.block_size for w in snapshot.workers}):
         matched = index.match(prompt_block_hashes(prompt_token_ids, block_size))
         for w in snapshot.workers:
             count = matched.get(w.worker_id, 0)
-            if w.block_size == block_size and count and held.get(w.worker_id) == w.incarnation:
+            if w.block_size == block_size and count and w.worker_id in held:
                 cached[w.worker_id] = count
     return RouteRequest(
         num_prompt_tokens=len(prompt_token_ids),
         max_tokens=max_tokens,
         cached_blocks=tuple(sorted(cached.items())),
+        held_blocks=tuple(sorted(held.items())),
     )

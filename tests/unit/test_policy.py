@@ -258,6 +258,27 @@ def test_route_request_rejects_bad_cached_blocks():
         RouteRequest(LONG, 8, cached_blocks=(("p0", -1),))
     with pytest.raises(ValueError, match="cached_blocks names a worker twice: \\['p0', 'p0'\\]"):
         RouteRequest(LONG, 8, cached_blocks=(("p0", 1), ("p0", 2)))
+    with pytest.raises(ValueError, match="held_blocks\\['p0'\\] must be an int >= 0; got True"):
+        RouteRequest(LONG, 8, held_blocks=(("p0", True),))
+    with pytest.raises(ValueError, match="held_blocks names a worker twice"):
+        RouteRequest(LONG, 8, held_blocks=(("p0", 1), ("p0", 2)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_prompt_nobody_holds_goes_to_the_idle_prefill_worker_holding_the_fewest_blocks(seed):
+    # Equal cost (nothing cached anywhere) and equal running: the rng used to decide, so three
+    # new system prompts could all land on one worker and evict each other there.
+    snap = snapshot(worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"))
+    request = RouteRequest(LONG, 16, held_blocks=(("p0", 10),))
+    assert cache_aware(request, snap, random.Random(seed)).prefill_id == "p1"
+    fuller = RouteRequest(LONG, 16, held_blocks=(("p0", 10), ("p1", 11)))
+    assert cache_aware(fuller, snap, random.Random(seed)).prefill_id == "p0"
+
+
+def test_fewer_running_still_comes_before_fewer_held_blocks():
+    snap = snapshot(worker("p0", "prefill"), worker("p1", "prefill", num_running=1), worker("d0", "decode"))
+    request = RouteRequest(LONG, 16, held_blocks=(("p0", 50),))
+    assert cache_aware(request, snap, random.Random(0)).prefill_id == "p0"
 
 
 @pytest.mark.parametrize(
@@ -284,7 +305,7 @@ def test_cache_aware_explains_its_choice_with_every_number_it_used():
         worker("d0", "decode", free_blocks=80, reserved_blocks=10, num_running=3),
         worker("d1", "decode", free_blocks=60, reserved_blocks=0, num_running=1),
     )
-    request = RouteRequest(LONG, 16, cached_blocks=(("p_hot", 60), ("d1", 20)))
+    request = RouteRequest(LONG, 16, cached_blocks=(("p_hot", 60), ("d1", 20)), held_blocks=(("p_hot", 75),))
     assert cache_aware(request, snap, random.Random(0)) == RouteDecision(
         prefill_id="p_hot",
         decode_id="d1",
@@ -306,6 +327,7 @@ def test_cache_aware_explains_its_choice_with_every_number_it_used():
             ("prefill_uncached_tokens", 48.0),
             ("prefill_queued_tokens", 100.0),
             ("prefill_running", 2.0),
+            ("prefill_held_blocks", 75.0),
             ("prefill_cost", 98.0),
             ("weight_uncached_token", 1.0),
             ("weight_queued_token", 0.5),

@@ -195,8 +195,23 @@ def test_route_request_counts_cached_blocks_in_each_workers_own_block_size():
     index.apply(event("gone", "stored", H))  # not in the snapshot: not offered
     snap = snapshot(worker("d16"), worker("d32", block_size=32), worker("idle"))
     assert route_request(PROMPT + [7], 5, snap, index) == RouteRequest(
-        num_prompt_tokens=65, max_tokens=5, cached_blocks=(("d16", 3), ("d32", 1))
+        num_prompt_tokens=65, max_tokens=5, cached_blocks=(("d16", 3), ("d32", 1)),
+        held_blocks=(("d16", 3), ("d32", 1)),
     )
+
+
+def test_route_request_counts_every_block_the_index_holds_for_each_worker():
+    index = PrefixIndex()
+    index.apply(event("w0", "stored", H[:2]))
+    index.apply(event("w0", "stored", OTHER))  # another prompt's blocks count too
+    index.apply(event("w1", "stored", OTHER[:1]))
+    index.apply(event("w1", "evicted", OTHER[:1]))  # evicted: holds none
+    index.apply(event("old", "stored", H, incarnation="inc-0"))  # another run's: nothing
+    snap = snapshot(worker("w0"), worker("w1"), worker("old"))
+    request = route_request(PROMPT, None, snap, index)
+    assert request.held_blocks == (("w0", 6),)
+    assert request.cached_blocks == (("w0", 2),)
+    assert (request.held_by("w0"), request.held_by("w1"), request.held_by("old")) == (6, 0, 0)
 
 
 def test_route_request_ignores_entries_of_another_incarnation_than_the_heartbeats():
@@ -204,6 +219,7 @@ def test_route_request_ignores_entries_of_another_incarnation_than_the_heartbeat
     index.apply(event("d0", "stored", H, incarnation="old"))
     snap = snapshot(worker("d0", incarnation="new"))
     assert route_request(PROMPT, None, snap, index).cached_blocks == ()
+    assert route_request(PROMPT, None, snap, index).held_blocks == ()
 
 
 def test_a_routed_request_makes_its_workers_match_its_prompt_before_any_event():
