@@ -101,7 +101,12 @@ def test_startup_fails_until_the_grpc_server_serves_then_passes(tiny_model_dir):
     assert asyncio.run(served(process, body)) == [(200, "ok\n")] * 3
 
 
-def test_readiness_waits_for_registration_and_fails_from_the_start_of_a_drain(tiny_model_dir, redis_url):
+def test_readiness_waits_for_registration_and_fails_from_the_start_of_a_drain(tiny_model_dir, redis_url,
+                                                                              monkeypatch):
+    # With nothing in flight the drain ends after the pause it gives routers to see it (0.2 s);
+    # the three probes below must land inside it, which a loaded machine's thread hops did not
+    # always do (a probe then met the stopped server). A longer pause keeps them inside.
+    monkeypatch.setattr("worker_runtime.process.ROUTER_SNAPSHOT_PERIOD_S", 5.0)
     process = built(tiny_model_dir, redis_url)
 
     async def body():
