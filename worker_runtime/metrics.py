@@ -126,7 +126,7 @@ def serve_metrics(collector: WorkerCollector, host: str, port: int,
                   routes: Mapping[str, Callable] | None = None):
     """Start the worker's HTTP server (/metrics, plus the probe `routes`:
     worker_runtime/probes.py) in a daemon thread; returns (server, bound port). The caller
-    shuts the server down (server.shutdown()) when the worker stops."""
+    shuts the server down (server.shutdown(), then server.server_close()) when the worker stops."""
     from worker_runtime.probes import with_probe_routes
 
     registry = CollectorRegistry()

@@ -313,6 +313,9 @@ class WorkerProcess:
         await asyncio.to_thread(self.worker.stop)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            # and its socket closed: a stopped worker's port refuses probes and scrapes (shut
+            # down but open, it accepted them into the backlog and never answered).
+            self._metrics_server.server_close()
         self.state = WorkerState.STOPPED
         logger.info("%s worker %s stopped%s", self.spec.role, self.worker.worker_id,
                     " at once (second signal)" if self._forced else "")

@@ -119,6 +119,8 @@ def test_readiness_waits_for_registration_and_fails_from_the_start_of_a_drain(ti
         return metrics, draining, process.state
 
     metrics, draining, state = asyncio.run(served(process, body))
+    with pytest.raises(httpx.ConnectError):  # stopped: the port refuses, it does not hang a probe
+        httpx.get(f"http://127.0.0.1:{process.metrics_port}/readyz", timeout=5)
     # /metrics still served
     assert re.search(r'^pdserve_worker_draining\{model_name="[^"]+",role="decode",worker_id="decode-probe"\} 0\.0$',
                      metrics, re.M), metrics
