@@ -20,7 +20,7 @@ from proto.auth import load_cluster_secret
 from proto.internal_auth import internal_channel
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.cluster.redis_settings import PASSWORD_ENV
-from tests.service.test_worker_process import decode_spec, start, wait_registered
+from tests.service.test_worker_process import decode_spec, registered, start, wait_for_state
 
 pytestmark = pytest.mark.timeout(300)
 PASSWORD = "advertise-test-password"
@@ -98,7 +98,8 @@ def test_workers_bound_to_all_addresses_register_and_transfer_through_the_advert
         spec, directory = bound_to_all(tiny_model_dir, redis_url, tmp_path, role)
         _, log, grpc_port, metrics_port = start(spec, directory, started)
         ports[role] = (grpc_port, metrics_port)
-        info = wait_registered(redis_url, f"{role}-wp")
+        wait_for_state(redis_url, f"{role}-wp", "serving", timeout_s=30)  # the first beat may land after the ready file
+        info = registered(redis_url, f"{role}-wp")
         assert info is not None, log.read_text()
         assert (info.address, info.metrics_address) == (f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}")
     decode, prefill = (f"127.0.0.1:{ports[r][0]}" for r in ("decode", "prefill"))

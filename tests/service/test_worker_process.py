@@ -96,16 +96,6 @@ def registered(redis_url: str, worker_id: str) -> WorkerInfo | None:
         client.close()
 
 
-def wait_registered(redis_url: str, worker_id: str, timeout_s: float = 30.0) -> WorkerInfo | None:
-    """The worker's Redis entry once its first heartbeat has landed (bounded; None if it never
-    did). The ready file is written when the worker serves; the heartbeat thread's first beat
-    may land a moment later on a loaded machine."""
-    deadline = time.monotonic() + timeout_s
-    while (info := registered(redis_url, worker_id)) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return info
-
-
 def in_workers_set(redis_url: str, worker_id: str) -> bool:
     client = sync_client(redis_url)
     try:
@@ -148,7 +138,8 @@ def test_worker_from_a_spec_registers_as_serving_and_sigterm_unregisters_it(tiny
     if role == "prefill":  # no worker link: routers call it over gRPC
         spec = dataclasses.replace(spec, link_port=-1)
     process, log, grpc_port, metrics_port = start(spec, tmp_path, started)
-    info = wait_registered(redis_url, f"{role}-wp")
+    wait_for_state(redis_url, f"{role}-wp", "serving", timeout_s=30)  # the first beat may land after the ready file
+    info = registered(redis_url, f"{role}-wp")
     assert info is not None, log.read_text()
     assert (info.role, info.state, info.address, info.block_size, info.total_blocks) == (
         role, "serving", f"127.0.0.1:{grpc_port}", 16, 256)
@@ -170,7 +161,8 @@ def test_a_decode_worker_serves_the_same_greedy_tokens_over_its_link_as_over_grp
         tiny_model_dir, redis_url, tmp_path, started):
     """The routers' request plane (proto/link) runs the worker's own servicer: same tokens."""
     process, log, grpc_port, _ = start(decode_spec(tiny_model_dir, redis_url, tmp_path), tmp_path, started)
-    info = wait_registered(redis_url, "decode-wp")
+    wait_for_state(redis_url, "decode-wp", "serving", timeout_s=30)
+    info = registered(redis_url, "decode-wp")
     host, link_port = info.link_address.rsplit(":", 1)
     assert host == "127.0.0.1" and int(link_port) not in (0, grpc_port), info
     assert f"link {info.link_address}" in log.read_text()
