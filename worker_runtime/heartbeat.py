@@ -116,6 +116,7 @@ class HeartbeatPublisher:
             retry=Retry(NoBackoff(), 0),
         )
         self._stop = threading.Event()
+        self._first_attempt = threading.Event()
         self._beat_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._last: WorkerInfo | None = None
@@ -139,9 +140,16 @@ class HeartbeatPublisher:
         )
         self._thread.start()
 
+    def wait_first_beat(self, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) until the thread's first beat was tried; whether it was
+        written. A worker announces itself ready after this, so whoever waits for that finds it
+        registered, not registered a moment later."""
+        return self._first_attempt.wait(timeout_s) and self.beats > 0
+
     def _run(self) -> None:
         while True:
             self.beat()
+            self._first_attempt.set()
             if self._stop.wait(self.interval_s):
                 return
 

@@ -5,7 +5,7 @@
     STARTING  gRPC server (cluster-auth interceptor; health and reflection open for probes),
               the worker link (proto/link: the routers' request plane, the same servicer),
               /metrics and the probes (probes.py), heartbeat and block events into Redis,
-              the ready file
+              the ready file once the first heartbeat was tried (routers can see it)
       -> SERVING   until the first SIGTERM/SIGINT, or a Drain RPC (the servicer's request_drain)
       -> DRAINING  marked "draining" in Redis at once (one beat, not the next interval), gRPC
                    health NOT_SERVING; one router snapshot period later (routers have stopped
@@ -62,6 +62,9 @@ the read): a worker marked draining waits this long before it refuses new work, 
 still picks it from an older snapshot."""
 STOP_GRACE_S = 2.0
 """After a drain, the longest gRPC calls (a last chunk, a GetLoad) get to finish."""
+FIRST_BEAT_WAIT_S = 5.0
+"""The longest the ready file waits for the first heartbeat's try (each try gives up after the
+Redis client's timeout, at most 1 s; this only bounds a stuck thread)."""
 
 
 class WorkerProcess:
@@ -243,6 +246,10 @@ class WorkerProcess:
         if self.spec.log_stats_interval_s > 0:
             self._stats_log = WorkerStatsLog(self.status, self.spec.log_stats_interval_s)
             self._stats_log.start()
+        if self._heartbeat is not None:
+            # Ready means routers can see it: the first heartbeat is tried before the ready file
+            # is written (bounded: a beat gives up after the Redis client's socket timeout).
+            await asyncio.to_thread(self._heartbeat.wait_first_beat, FIRST_BEAT_WAIT_S)
         self._announce(port)
 
     def _servicer(self):

@@ -282,6 +282,26 @@ def test_reader_routes_on_its_last_snapshot_while_redis_is_down_then_catches_up(
     assert [r.levelname for r in heartbeat_logs] == ["WARNING", "INFO"]
 
 
+def test_wait_first_beat_returns_once_the_worker_is_registered(server, publishers):
+    publisher = HeartbeatPublisher(server.url, CLUSTER, FakeWorker("p"), interval_s=30.0, ttl_s=60.0)
+    publishers.append(publisher)
+    client = sync_client(server.url, decode_responses=True)
+    try:
+        publisher.start()
+        assert publisher.wait_first_beat(5.0) is True
+        # no later beat is due for 30 s: the entry is there because the wait waited for it
+        assert client.smembers(workers_set_key(CLUSTER)) == {"p"}
+    finally:
+        client.close()
+
+
+def test_wait_first_beat_is_bounded_and_false_without_redis(publishers):
+    publisher = start_publisher(publishers, f"redis://127.0.0.1:{free_port()}/0", FakeWorker("p"))
+    start = time.monotonic()
+    assert publisher.wait_first_beat(5.0) is False
+    assert time.monotonic() - start < 2.0  # the one try gave up (socket timeout <= interval)
+
+
 def test_heartbeat_keeps_trying_while_redis_is_down_and_logs_once(publishers, caplog):
     caplog.set_level(logging.INFO)
     port = free_port()
