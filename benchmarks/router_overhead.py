@@ -3,7 +3,7 @@ pdserve (one process, --router-workers 2, and its calls to workers over gRPC ins
 worker link) side by side with the Rust routers users pick instead (sglang-router,
 vllm-router), same client, same prompts, same cores, one run.
 
-    .venv/bin/python benchmarks/router_overhead.py [--concurrency 1,4,16] [--requests 300]
+    .venv/bin/python benchmarks/router_overhead.py [--concurrency 1,4,16] [--requests 300] [--requests-per-flight 100]
         [--routers pdserve,pdserve-x2,pdserve-grpc,sglang-router,vllm-router] ...
 
 Method (printed with the results too):
@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,4,16", help="in-flight requests, comma separated")
     p.add_argument("--requests", type=int, default=300, help="timed requests per path and concurrency")
+    p.add_argument("--requests-per-flight", type=int, default=100,
+                   help="at least this many timed requests per request in flight (16 in flight: 1600), the "
+                        "prompts reused in turn, so a high concurrency is timed over more than a fraction of a second")
     p.add_argument("--warmup", type=int, default=30, help="untimed requests per path first")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=8, help="tokens per response")
@@ -92,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if min(args.concurrency + [args.requests, args.input_len, args.output_len, args.rounds]) < 1:
         p.error("--concurrency, --requests, --input-len, --output-len and --rounds must be positive")
+    if args.requests_per_flight < 0:
+        p.error("--requests-per-flight must be >= 0 (0: --requests at every concurrency)")
     if unknown := sorted(set(args.routers) - set(ROUTERS)):
         p.error(f"--routers: unknown {', '.join(unknown)}; known: {', '.join(ROUTERS)}")
     return args
@@ -167,14 +172,23 @@ async def measure_all(args, routers: list[Started], doubles: Doubles, tokenizer)
     warm, timed = requests[:args.warmup], requests[args.warmup:]
     results = []
     for c in args.concurrency:
+        count = timed_count(args, c)
+        timed_c = [timed[i % len(timed)] for i in range(count)]
+        prompts_c = prompts[:args.warmup] + [prompts[args.warmup + i % len(timed)] for i in range(count)]
         direct: dict[str, list[PathRun]] = {"link": [], "grpc": [], "http": [], "floor": []}
         runs: dict[str, list[PathRun]] = {r.name: [] for r in routers}
         for k in range(args.rounds):
-            await measure_round(args, routers, doubles, prompts, warm, timed, c, f"c{c}r{k}", direct, runs)
+            await measure_round(args, routers, doubles, prompts_c, warm, timed_c, c, f"c{c}r{k}", direct, runs)
         floor = merged(direct["floor"]) if direct["floor"] else None
         for router in routers:
             results.append(Measured(router.name, c, tuple(runs[router.name]), merged(direct[router.direct]), floor))
     return results
+
+
+def timed_count(args, concurrency: int) -> int:
+    """Timed requests per path at `concurrency`: --requests, or --requests-per-flight for each
+    request in flight when that is more (300 at 16 in flight were ~0.3 s of the fastest paths)."""
+    return max(args.requests, args.requests_per_flight * concurrency)
 
 
 async def measure_round(args, routers: list[Started], doubles: Doubles, prompts: list[list[int]],
@@ -265,7 +279,8 @@ def round_spread(ours: Measured, peer: Measured) -> str:
 
 def method_lines(args, skipped: list[str]) -> list[str]:
     lines = [
-        f"{args.requests} timed requests per path and concurrency after {args.warmup} untimed, "
+        f"timed requests per path and concurrency: {', '.join(f'{timed_count(args, c)} at {c} in flight' for c in args.concurrency)} "
+        f"({args.requests} prompts, reused in turn past that), after {args.warmup} untimed, "
         f"{args.rounds} round(s) (routers take turns in each; the table merges the rounds); prompts of "
         f"{args.input_len} tokens (random dataset, seed {args.seed}), {args.output_len} output tokens, ignore_eos.",
         "pdserve: the real `pdserve router` (pdserve-x2: --router-workers 2; pdserve-grpc: --worker-link false) "

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_router_overhead_benchmark_measures_every_router_in_a_tiny_run():
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "router_overhead.py"), "--concurrency", "1,2",
-         "--requests", "6", "--warmup", "2", "--rounds", "2", "--no-results"],
+         "--requests", "6", "--requests-per-flight", "4", "--warmup", "2", "--rounds", "2", "--no-results"],
         cwd=REPO, capture_output=True, text=True, timeout=360)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines()
@@ -34,6 +34,8 @@ def test_the_router_overhead_benchmark_measures_every_router_in_a_tiny_run():
     for name in set(RUST_ROUTERS) - installed:  # named, with the reason, never silently left out
         assert f"skipping {name}: not installed (pip install 'pdserve[bench-peers]')" in run.stdout
     assert "pdserve added p50 at 1 in flight:" in run.stdout
+    # 6 prompts; at 2 in flight 4 per request in flight, the prompts reused in turn
+    assert "timed requests per path and concurrency: 6 at 1 in flight, 8 at 2 in flight (6 prompts" in run.stdout
     assert "pdserve (worker link) / pdserve-grpc req/s at 2 in flight:" in run.stdout
     if installed:  # two rounds: each req/s ratio comes with its per-round spread
         assert "req/s at 2 in flight:" in run.stdout and ", per round: " in run.stdout

@@ -1,7 +1,7 @@
 """benchmarks/router_overhead.py --rounds: rounds merge into one table row, and the goal line
 gives the spread of the per-round ratios, so one noisy round on a shared machine cannot decide."""
 
-from benchmarks.router_overhead import Measured, PathRun, goal_lines, merged, parse_args
+from benchmarks.router_overhead import Measured, PathRun, goal_lines, merged, parse_args, timed_count
 
 
 def run(n: int, seconds: float, router_cpu_s: float = 0.0) -> PathRun:
@@ -25,3 +25,10 @@ def test_the_req_per_s_goal_line_gives_the_spread_of_the_per_round_ratios():
 def test_one_round_is_the_default_and_rounds_must_be_positive():
     assert parse_args([]).rounds == 1
     assert parse_args(["--rounds", "3"]).rounds == 3
+
+
+def test_high_concurrency_is_timed_over_more_requests_than_low():
+    args = parse_args([])
+    assert (args.requests, args.requests_per_flight) == (300, 100)
+    assert [timed_count(args, c) for c in (1, 2, 4, 16)] == [300, 300, 400, 1600]
+    assert timed_count(parse_args(["--requests-per-flight", "0"]), 16) == 300
