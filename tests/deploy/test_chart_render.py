@@ -5,12 +5,13 @@ probes, drain, NetworkPolicy, security, autoscaling owning the count, secrets by
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.deploy.chart import CHART, EXAMPLES, NAMESPACE, RELEASE, container, find, render, run_helm
+from tests.deploy.chart import CHART, EXAMPLES, NAMESPACE, RELEASE, container, find, render, run_helm, template
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 K8S_VERSION = "1.35.0"
@@ -37,6 +38,21 @@ def test_helm_lint_strict_passes(helm, values):
     out = run_helm(helm, *args)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 chart(s) failed" in out.stdout
+
+
+@pytest.mark.parametrize("values", [None, *EXAMPLE_FILES], ids=lambda v: "default" if v is None else v.stem)
+def test_the_secrets_checksum_annotation_is_always_a_string(helm, values):
+    # The checksum is 16 hex digits of a hash of secrets generated at each render: unquoted,
+    # one render in a few thousand is all decimal digits (or digits and an "e"), which YAML reads
+    # as a number, and Kubernetes refuses the Deployment (annotations are strings). Seen once in CI.
+    out = template(helm, *([values] if values else []))
+    assert out.returncode == 0, out.stderr
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("checksum/secrets:")]
+    assert lines, "no checksum/secrets annotation rendered"
+    assert [line for line in lines if not re.fullmatch(r'checksum/secrets: "[0-9a-f]{16}"', line)] == []
+    for obj in render(helm, *([values] if values else [])):
+        annotations = obj.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
+        assert all(isinstance(v, str) for v in annotations.values()), (obj["kind"], annotations)
 
 
 @pytest.mark.parametrize("values", [None, *EXAMPLE_FILES], ids=lambda v: "default" if v is None else v.stem)

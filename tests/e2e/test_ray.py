@@ -1,13 +1,11 @@
 """Issue 12's acceptance: `pdserve up --launcher ray --prefill 1 --decode 1` on a real local Ray
 instance, with the real model: the same cluster as with local processes, placed by Ray.
 
-One cluster for the module, its router in two processes (`--router-workers 2`: the Router actor
-serves in process 0 and starts process 1 beside it on the shared port); the tests run in order,
-each first bringing the cluster to the shape it needs: 30 concurrent greedy requests (tokens
-equal the offline engine's, one actor per component in Ray's state API, both router processes
-answering) -> scaled to 2+2 and back to 1+1 through `pdserve scale` while
+One cluster for the module; the tests run in order, each first bringing the cluster to the
+shape it needs: 30 concurrent greedy requests (tokens equal the offline engine's, one actor per
+component in Ray's state API) -> scaled to 2+2 and back to 1+1 through `pdserve scale` while
 streams run -> a decode actor killed through Ray under load and replaced -> Ctrl-C, after which
-no actor, no Ray, worker or router process and no port is left.
+no actor, no Ray or worker process and no port is left.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from tests.e2e.cluster import RunningCluster, start_cluster
 from tests.e2e.load import (Reference, assert_pools_empty, complete_all, ensure_shape, fresh_prompts,
                             offline_reference, stream_completion, streams_through_a_kill, wait_for_restart,
                             worker_ids)
-from pdserve.router_workers import WORKER_HEADER
 from tests.real_model import prompt_token_ids
 
 pytest.importorskip("ray", reason="the Ray launcher needs pdserve[ray] (the test extras include it)")
@@ -52,7 +49,7 @@ def ray_cluster(reference, tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("ray"), "--launcher", "ray", "--prefill", "1", "--decode", "1",
                       "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5",
                       "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
-                      "--max-replicas", "4", "--router-workers", "2")
+                      "--max-replicas", "4")
     try:
         yield c
     finally:
@@ -84,17 +81,8 @@ def kill_actor(name: str) -> None:
 
 
 def _ray_processes() -> list[str]:
-    return _processes(lambda line: any(p in line for p in RAY_PROCESSES))
-
-
-def _router_processes() -> list[str]:
-    """Router processes started beside the Router actor (`--router-worker-index i`)."""
-    return _processes(lambda line: "--router-worker-index" in line)
-
-
-def _processes(match) -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [line.strip() for line in out.splitlines() if match(line) and "ps -eo" not in line]
+    return [line.strip() for line in out.splitlines() if any(p in line for p in RAY_PROCESSES) and "ps -eo" not in line]
 
 
 def test_thirty_concurrent_greedy_requests_match_the_offline_engine_with_one_actor_per_component(
@@ -105,8 +93,6 @@ def test_thirty_concurrent_greedy_requests_match_the_offline_engine_with_one_act
     assert [r.status_code for r in responses] == [200] * 30, [r.text for r in responses]
     assert {r.headers["x-pdserve-path"] for r in responses} == {"disaggregated"}
     assert [r.json()["choices"][0]["token_ids"] for r in responses] == reference.short
-    # Both router processes served (the kernel spreads 30 connections over the shared port).
-    assert {r.headers[WORKER_HEADER] for r in responses} == {"0", "1"}
 
     actors = ray_actors(ray_cluster)
     components = sorted((a["class_name"], a["name"]) for a in actors)
@@ -185,10 +171,9 @@ def test_ctrl_c_drains_and_leaves_no_actor_process_or_port(ray_cluster):
     for worker_id in worker_ids(roles, "prefill") | worker_ids(roles, "decode"):
         assert f"worker {worker_id} drained and exited with code 0" in log
     deadline = time.monotonic() + 30
-    while (_ray_processes() or _router_processes()) and time.monotonic() < deadline:
+    while _ray_processes() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _ray_processes() == []
-    assert _router_processes() == []  # the router's second process went with the actor
     assert [p for p in ports if not _port_free(p)] == []
 
 

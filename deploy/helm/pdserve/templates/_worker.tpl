@@ -38,7 +38,7 @@ spec:
       labels:
         {{- include "pdserve.roleLabels" . | nindent 8 }}
       annotations:
-        checksum/secrets: {{ include (print $root.Template.BasePath "/secrets.yaml") $root | sha256sum | trunc 16 }}
+        checksum/secrets: {{ include (print $root.Template.BasePath "/secrets.yaml") $root | sha256sum | trunc 16 | quote }}
         {{- with $v.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
