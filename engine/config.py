@@ -118,7 +118,8 @@ class EngineConfig:
     engine.huge_pages): the decode kernel's scattered block reads miss the TLB less (0.85-0.94x
     the kernel's time here). The cost is at start: a host whose free memory is fragmented, or a
     VM whose guest memory is not backed yet, can take seconds per GiB to fault the cache in on
-    huge pages. False: small pages (as on GPU hosts' host tensors)."""
+    huge pages. False: small pages, advised so (MADV_NOHUGEPAGE) even where the kernel's mode is
+    `always`."""
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
     auto: on CPU in bfloat16, a GGUF whose linears are all Q4_0/Q4_1 keeps its blocks (as gguf)

@@ -11,6 +11,10 @@ the default `madvise` mode of /sys/kernel/mm/transparent_hugepage/enabled) befor
 first touched. So the tensor is carved out of an allocation padded to an aligned start and a
 whole number of huge pages, advised, and only then zeroed. Where the kernel says `never`, or
 madvise fails, the tensor is the same, only on small pages.
+
+Small pages when asked (`--no-cpu-kv-huge-pages`) are advised too (MADV_NOHUGEPAGE): memory
+that malloc hands back may lie in a range an earlier huge-page buffer advised, and in the
+`always` mode every aligned range would get huge pages, with the slow start the flag avoids.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE_PAGE_BYTES", "huge_page_mode", "zeros_on_huge_pages"]
+__all__ = ["HUGE_PAGE_BYTES", "huge_page_mode", "zeros_on_huge_pages", "zeros_on_small_pages"]
 
 logger = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -42,16 +47,17 @@ def huge_page_mode() -> str:
     return text[start + 1:end] if 0 <= start < end else "unsupported"
 
 
-def _madvise_huge(address: int, length: int) -> bool:
+def _madvise(address: int, length: int, advice: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+    return libc.madvise(address, length, advice) == 0
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """A zeroed, contiguous CPU tensor whose memory starts on a 2 MiB boundary and was advised
-    for huge pages before it was touched; (tensor, whether the advice was taken). The tensor is
-    a view into a slightly larger buffer (at most 2 huge pages more), which it keeps alive."""
+def _zeros_advised(shape: tuple[int, ...], dtype: torch.dtype, advice: int) -> tuple[torch.Tensor, bool]:
+    """A zeroed tensor carved out of a buffer padded to a 2 MiB aligned start and a whole number
+    of huge pages, the aligned range given `advice` before its first touch; (tensor, whether the
+    advice was taken). Off Linux, under one huge page, or where the kernel has no huge pages,
+    plain zeros: there is nothing to advise."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES or huge_page_mode() in ("never", "unsupported"):
         return torch.zeros(shape, dtype=dtype), False
@@ -59,9 +65,22 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
     raw = torch.empty(padded + HUGE_PAGE_BYTES, dtype=torch.uint8)  # not touched yet
     start = raw.data_ptr()
     offset = -start % HUGE_PAGE_BYTES
-    advised = _madvise_huge(start + offset, padded)
+    advised = _madvise(start + offset, padded, advice)
     if not advised:
-        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): small pages", ctypes.get_errno())
+        logger.debug("madvise(%d) failed (errno %d): the kernel's default pages", advice, ctypes.get_errno())
     tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
-    tensor.zero_()  # first touch: the faults take huge pages where the kernel has them
+    tensor.zero_()  # first touch: the faults take the pages the advice asked for
     return tensor, advised
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A zeroed, contiguous CPU tensor whose memory starts on a 2 MiB boundary and was advised
+    for huge pages before it was touched; (tensor, whether the advice was taken). The tensor is
+    a view into a slightly larger buffer (at most 2 huge pages more), which it keeps alive."""
+    return _zeros_advised(shape, dtype, _MADV_HUGEPAGE)
+
+
+def zeros_on_small_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """The same, advised against huge pages (MADV_NOHUGEPAGE): 4 KiB pages whatever the range
+    was advised before and whatever the kernel's mode; (tensor, whether the advice was taken)."""
+    return _zeros_advised(shape, dtype, _MADV_NOHUGEPAGE)

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.cpu_kernels import PagedDecodeKernel, check_slots, check_tables
 from engine.device import StepThreads
-from engine.huge_pages import huge_page_mode, zeros_on_huge_pages
+from engine.huge_pages import huge_page_mode, zeros_on_huge_pages, zeros_on_small_pages
 from engine.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.model.decode_plan import DecodePlan
 from engine.model.rope import rope_tables
@@ -49,7 +49,7 @@ def _cpu_cache(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -> 
     """All layers' zeroed cache in one buffer, on 2 MiB pages unless `huge_pages` is False."""
     if not huge_pages:
         logger.info("KV cache on small pages (--no-cpu-kv-huge-pages)")
-        return torch.zeros(shape, dtype=dtype)
+        return zeros_on_small_pages(shape, dtype)[0]
     started = time.perf_counter()
     whole, advised = zeros_on_huge_pages(shape, dtype)
     if advised:

@@ -15,17 +15,25 @@ from tests.unit.test_capacity import smollm2_like
 THP_OFFERED = huge_page_mode() in ("always", "madvise")
 
 
-def vm_flags_at(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
+def vm_flags_over(address: int, length: int) -> list[list[str]]:
+    """The VmFlags of each of this process's mappings that overlap [address, address + length)
+    (/proc/self/smaps), in address order."""
+    flags, inside = [], False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split(" ", 1)[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
+            inside = start < address + length and address < end
         elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+            flags.append(line.split()[1:])
+    if not flags:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return flags
+
+
+def vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address`."""
+    return vm_flags_over(address, 1)[0]
 
 
 @pytest.mark.skipif(not THP_OFFERED, reason=f"transparent huge pages: {huge_page_mode()}")
@@ -60,12 +68,22 @@ def test_cpu_kv_caches_are_independent_zeroed_layers_of_one_buffer():
 
 def test_cpu_kv_caches_on_small_pages_when_asked_are_the_same_zeroed_layers(caplog):
     spec = smollm2_like(num_layers=2)
+    # malloc may hand back memory an earlier huge-page buffer advised (seen in CI): the small
+    # pages must not inherit that advice anywhere in the cache.
+    raised = torch.empty(32 << 20, dtype=torch.uint8)  # freed, it raises glibc's mmap threshold
+    del raised
+    earlier, _ = zeros_on_huge_pages((2, 2, 512, 16, 3, 64), torch.float32)
+    del earlier
     with caplog.at_level("INFO", logger="engine.runner"):
         caches = allocate_kv_caches(spec, num_blocks=512, block_size=16, dtype=torch.float32,
                                     device=torch.device("cpu"), huge_pages=False)
     assert [c.shape for c in caches] == [(2, 512, 16, 3, 64)] * 2
     assert all(c.is_contiguous() and int(c.count_nonzero()) == 0 for c in caches)
-    assert "hg" not in vm_flags_at(caches[0].data_ptr())
+    whole = caches[0].data_ptr(), 2 * caches[0].numel() * caches[0].element_size()
+    assert caches[1].data_ptr() == whole[0] + whole[1] // 2  # one buffer
+    assert not any("hg" in flags for flags in vm_flags_over(*whole))
+    if THP_OFFERED:
+        assert all("nh" in flags for flags in vm_flags_over(*whole))  # MADV_NOHUGEPAGE took
     assert "KV cache on small pages (--no-cpu-kv-huge-pages)" in caplog.text
 
 
