@@ -2,7 +2,7 @@
 cores) on this machine, under steady short chats with and without bursts of long prompts.
 
     .venv/bin/python benchmarks/disagg_vs_colocated.py [--quick] [--dtype auto|bfloat16|float32]
-                        [--quantization auto|none|gguf|int8|int4] [--int4-activations bfloat16|int8]
+                        [--quantization auto|none|gguf|int8|int4] [--int4-activations auto|bfloat16|int8]
                         [--repeat 3] [--setups disaggregated,colocated,...]
                         [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--no-results]
 
@@ -349,8 +349,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     parser.add_argument("--quantization", choices=("auto", "none", "gguf", "int8", "int4"), default="auto",
                         help="the workers' --quantization (auto: dense on a CPU without AVX512-BF16)")
-    parser.add_argument("--int4-activations", choices=("bfloat16", "int8"), default="bfloat16",
-                        help="the workers' --int4-activations (int8: the C int4 kernel's path on an AVX2 CPU)")
+    parser.add_argument("--int4-activations", choices=("auto", "bfloat16", "int8"), default="auto",
+                        help="the workers' --int4-activations (auto, their default: int8 where the CPU runs it)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of both phases per setup (spread reported)")
     parser.add_argument("--setups", default="", help="comma-separated subset of the setups to run (default: all)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -387,7 +387,7 @@ def main() -> int:
     importlib.import_module("torch")  # only so that the results header lists its version
 
     body = "\n".join([markdown_table(headers, table), "", *goals, "", "Method:", "", *method])
-    title = args.dtype if (args.quantization, args.int4_activations) == ("auto", "bfloat16") else (
+    title = args.dtype if (args.quantization, args.int4_activations) == ("auto", "auto") else (
         f"{args.dtype}, --quantization {args.quantization}, --int4-activations {args.int4_activations}")
     path = append_results(f"disagg_vs_colocated ({title})", body)
     print(f"\nappended to {path}")

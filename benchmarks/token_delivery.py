@@ -9,10 +9,11 @@ Method (printed with the results too):
   model, free 127.0.0.1 ports) once per setting, one after the other, never two at once:
   `link` is the default router, `grpc` adds `--worker-link false` (the router's Decode,
   Prefill and Abort over gRPC, as before the link), `int8` is `link` with the workers' int4
-  linears on int8 activations (`--dtype bfloat16 --int4-activations int8`: shorter steps; on a
-  CPU without AVX512-BF16 this is what keeps the Q4 blocks, which `auto` then loads dense in
-  float32). The settings
-  alternate first place.
+  linears on int8 activations (`--dtype bfloat16 --int4-activations int8`: on a CPU without
+  AVX512-BF16 the bfloat16 dtype is what keeps the Q4 blocks, which `--dtype auto` loads dense
+  in float32; where it has AVX512-BF16 this is the default's path), `bf16act` is `link` with
+  bfloat16 activations (`--int4-activations bfloat16`, the default before 2026-12-07). The
+  settings alternate first place.
 - Load: a warm-up run of the same shape (other prompts: a cold cluster's first run is slower),
   then pdserve bench's library on /v1/completions:
   --num-prompts random prompts of --input-len tokens, --output-len tokens each (ignore_eos,
@@ -64,7 +65,8 @@ from pdserve.ports import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 300.0
-SETTINGS = {"link": [], "grpc": ["--worker-link", "false"], "int8": ["--dtype", "bfloat16", "--int4-activations", "int8"], "own-session": []}
+SETTINGS = {"link": [], "grpc": ["--worker-link", "false"], "int8": ["--dtype", "bfloat16", "--int4-activations", "int8"],
+            "bf16act": ["--int4-activations", "bfloat16"], "own-session": []}
 OWN_SESSION = {"own-session"}
 """Settings whose cluster runs in a session of its own (see the module's docstring)."""
 STALL_S = 0.020
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     goals = [goal_line(s, [x["p99"] for x in v]) for s, v in by_setting.items() if v]
     method = [f"pdserve up --prefill 1 --decode 1 --kv-cache-memory {args.kv_cache_memory}, per setting in turn "
-              f"(link: the default; grpc: --worker-link false; int8: --int4-activations int8; own-session: link in a "
+              f"(link: the default; grpc: --worker-link false; int8: --dtype bfloat16 --int4-activations int8; bf16act: "
+              f"--int4-activations bfloat16; own-session: link in a "
               f"session of its own), {args.rounds} round(s), first place alternating",
               "session: the cluster in the client's session (its own process group), except own-session; kernel "
               f"autogroup scheduling: {autogroup()}",

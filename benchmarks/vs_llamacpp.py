@@ -166,12 +166,21 @@ def check_complete(result: dict, what: str) -> None:
     print(f"  WARNING {message}", flush=True)
 
 
-def pdserve_flags(mode: str, dtype: str, quantization: str = "auto", int4_activations: str = "bfloat16") -> list[str]:
+def pdserve_flags(mode: str, dtype: str, quantization: str = "auto", int4_activations: str = "auto") -> list[str]:
     layout = ["--colocated", "--decode", "1", "--num-threads", str(THREADS)] if mode == "colocated" else [
         "--prefill", "1", "--decode", "1", "--num-threads", str(THREADS // 2)]
-    activations = ["--int4-activations", int4_activations] if int4_activations != "bfloat16" else []
+    activations = ["--int4-activations", int4_activations] if int4_activations != "auto" else []
     return [*layout, "--dtype", dtype, "--quantization", quantization, *activations,
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(CTX_PER_SLOT)]
+
+
+def resolved_activations(asked: str) -> str:
+    """What a worker here makes of --int4-activations `asked` (auto: int8 where this CPU runs it)."""
+    if asked != "auto":
+        return asked
+    from engine.cpu_kernels.loader import int4_kernel_host
+
+    return "auto: int8" if int4_kernel_host("int8") is None else "auto: bfloat16"
 
 
 def our_flags(args: argparse.Namespace) -> list[str]:
@@ -228,7 +237,8 @@ def method_lines(args: argparse.Namespace, model: Path, binary: Path, cores: str
         f"- model: {model.name} (the same file for both; Q4_1: llama.cpp computes on the quantized weights; "
         f"pdserve --quantization {args.quantization} (gguf, and auto in bfloat16 where the C int4 kernel loads: "
         f"keeps the Q4_1 blocks; none: dequantized at load), activations {resolved_dtype}, int4 linears' "
-        f"activations {args.int4_activations} (int8: quantized per group of 32 as llama.cpp does)",
+        f"activations {resolved_activations(args.int4_activations)} (int8: quantized per group of 32 as llama.cpp "
+        f"does)",
         f"- llama.cpp: {binary} (llama-cpp-python {binary.parent.parent.name.split('-')[-1]}'s vendored "
         f"source; CPU, GGML_NATIVE=ON, OpenMP), `--parallel {MAX_NUM_SEQS} --ctx-size "
         f"{MAX_NUM_SEQS * CTX_PER_SLOT} --threads {THREADS} --threads-batch {THREADS}`, other settings default",
@@ -257,8 +267,9 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="pdserve's dtype")
     parser.add_argument("--quantization", choices=("auto", "none", "gguf", "int8", "int4"), default="auto",
                         help="pdserve's --quantization (gguf keeps the GGUF's Q4_1 blocks as int4; auto: dense)")
-    parser.add_argument("--int4-activations", choices=("bfloat16", "int8"), default="bfloat16",
-                        help="pdserve's --int4-activations (int8: llama.cpp's numerics, integer dot products)")
+    parser.add_argument("--int4-activations", choices=("auto", "bfloat16", "int8"), default="auto",
+                        help="pdserve's --int4-activations (int8: llama.cpp's numerics, integer dot products; auto, "
+                             "the default: int8 where the CPU runs it)")
     parser.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     exit_on_sigterm()

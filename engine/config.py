@@ -14,13 +14,13 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["auto", "none", "gguf", "int8", "int4"]
-Int4Activations = Literal["bfloat16", "int8"]
+Int4Activations = Literal["auto", "bfloat16", "int8"]
 
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8", "int4")
-INT4_ACTIVATIONS: tuple[str, ...] = ("bfloat16", "int8")
+INT4_ACTIVATIONS: tuple[str, ...] = ("auto", "bfloat16", "int8")
 
 GiB = 1 << 30
 # On CPU several workers share one host, so the KV budget is a fixed size per worker,
@@ -123,21 +123,22 @@ class EngineConfig:
     quantization: Quantization = "auto"
     """Weight-only quantization of the decoder's linears (vLLM's flag name; CPU kernels).
     auto: on CPU in bfloat16, a GGUF whose linears are all Q4_0/Q4_1 keeps its blocks (as gguf)
-    when the C int4 kernel loads (cpu_int4_kernel): it computes with the same bfloat16 weights
-    the dense load would hold, reading a quarter of the bytes; otherwise dense in `dtype`
+    when the C int4 kernel loads (cpu_int4_kernel), reading a quarter of the bytes and computing
+    as int4_activations says (auto: as llama.cpp does where the CPU runs it); otherwise dense in `dtype`
     (engine/loader/quant_choice.py says why). none: dense. gguf: keep a GGUF's Q4_0/Q4_1 (int4)
     and Q8_0 (int8) blocks as they are. int4 / int8: quantize every linear at load. Quantized
     linears compute in bfloat16 (q|k|v and gate|up fused, one linear each). Embeddings stay
     dense; the lm_head is int4 only beside int4 linears from a Q4 GGUF head, else dense
     (engine/loader/quant_choice.lm_head_quantization says why)."""
-    int4_activations: Int4Activations = "bfloat16"
+    int4_activations: Int4Activations = "auto"
     """What the C int4 kernel's linears multiply their weights with (on CPU, int4 linears only).
-    bfloat16: x as it is, times each weight q * d + m rounded to bfloat16, the values a dense
-    bfloat16 load holds. int8: each row of x quantized to 8 bits per group of 32 first, as
-    llama.cpp does for its Q4 dot products (its numerics, not the dense model's), and integer dot
-    products (AVX512-VNNI, or AVX2 with FMA and F16C: the only C path on a CPU without
-    AVX512-BF16): about twice as fast at every batch size. Linears that are not int4
-    through the C kernel ignore it, and say so in the log."""
+    int8: each row of x quantized to 8 bits per group of 32 first, as llama.cpp does for its Q4
+    dot products (and vLLM's GGUF kernels: the numerics a GGUF's users get elsewhere), and
+    integer dot products (AVX512-VNNI, or AVX2 with FMA and F16C): about twice as fast at every
+    batch size. bfloat16: x as it is, times each weight q * d + m rounded to bfloat16, the values
+    a dense bfloat16 load holds (the dense model's numerics, one decode step about twice as long).
+    auto: int8 where the kernel's int8 path runs, else bfloat16. Linears that are not int4
+    through the C kernel ignore it, and say so in the log when it was asked for."""
     weights_cache_dir: str | None = None
     """Where dequantized GGUF weights are cached; None: $PDSERVE_CACHE_DIR or ~/.cache/pdserve."""
 

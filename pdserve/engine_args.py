@@ -88,11 +88,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-kv-huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="on CPU, put the KV cache on 2 MiB pages (transparent huge pages: fewer TLB misses in "
                         "decode attention; can add seconds per GiB at start where free memory is fragmented)")
-    g.add_argument("--int4-activations", choices=INT4_ACTIVATIONS, default="bfloat16",
-                   help="what the C kernel's int4 linears multiply with: bfloat16 (x as it is, the dense model's "
-                        "weights) or int8 (x quantized per group of 32 as llama.cpp does: its numerics, about "
-                        "twice as fast; needs AVX512-VNNI or AVX2 with FMA and F16C: the fast path on AVX2 CPUs, with "
-                        "--dtype bfloat16 --quantization gguf)")
+    g.add_argument("--int4-activations", choices=INT4_ACTIVATIONS, default="auto",
+                   help="what the C kernel's int4 linears multiply with: int8 (x quantized per group of 32 as "
+                        "llama.cpp does: its numerics, about twice as fast; needs AVX512-VNNI or AVX2 with FMA and "
+                        "F16C), bfloat16 (x as it is, the dense model's weights and numerics; needs AVX512-BF16), "
+                        "or auto (default: int8 where the CPU runs it, else bfloat16)")
     add_config_arg(g)
 
 

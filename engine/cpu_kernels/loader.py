@@ -84,21 +84,22 @@ def compiler() -> str | None:
     return None
 
 
-def int4_kernel_host(int4_activations: str = "bfloat16") -> str | None:
+def int4_kernel_host(int4_activations: str = "auto") -> str | None:
     """Why a worker on this host could not build and run the int4 kernel's path for
     `int4_activations`, or None when it could (a compiler, and in the CPU's flags AVX512-BF16 for
-    bfloat16 activations; AVX512-VNNI with it, or AVX2 with FMA and F16C, for int8): what `pdserve
-    plan` predicts by."""
+    bfloat16 activations; AVX512-VNNI with it, or AVX2 with FMA and F16C, for int8; either for
+    auto): what `pdserve plan` predicts by."""
     if compiler() is None:
         return "no C compiler"
     flags = set(_cpu_flags().split())
+    int8 = {"avx512_vnni", "avx512_bf16"} <= flags or {"avx2", "fma", "f16c"} <= flags
     if int4_activations == "int8":
-        if {"avx512_vnni", "avx512_bf16"} <= flags or {"avx2", "fma", "f16c"} <= flags:
-            return None
-        return "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"
-    if "avx512_bf16" not in flags:
-        return "the CPU has no AVX512-BF16"
-    return None
+        return None if int8 else "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"
+    if "avx512_bf16" in flags or (int4_activations == "auto" and int8):
+        return None
+    if int4_activations == "auto":
+        return "the CPU has neither AVX512-BF16 nor AVX512-VNNI or AVX2 with FMA and F16C"
+    return "the CPU has no AVX512-BF16"
 
 
 def _cpu_flags() -> str:

@@ -60,16 +60,16 @@ def load_model(
     cache_dir: Path | None = None,
     quantization: str = "none",
     cpu_int4_kernel: bool = True,
-    int4_activations: str = "bfloat16",
+    int4_activations: str = "auto",
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with its weights, the decoder's linears quantized
     as `quantization` (EngineConfig.quantization) resolves here; on CPU, int4 linears run in
     this project's C kernel when `cpu_int4_kernel` and it loads (_int4_kernel), and only then does
     auto keep a Q4 GGUF's blocks (quant_choice.auto_keeps_q4); they take int8 activations when
-    `int4_activations` is "int8" (EngineConfig.int4_activations; on a CPU without AVX512-BF16
-    that is the only path of the C kernel). Raises on missing tensors, and ValueError for
-    int4/int8 on a device without the kernels or int8 activations on a CPU with neither
-    AVX512-VNNI nor AVX2."""
+    `int4_activations` is "int8", or "auto" where the kernel's int8 path runs
+    (EngineConfig.int4_activations; on a CPU without AVX512-BF16 it is the only path of the C
+    kernel). Raises on missing tensors, and ValueError for int4/int8 on a device without the
+    kernels or int8 activations asked for on a CPU with neither AVX512-VNNI nor AVX2."""
     started = time.perf_counter()
     path = resolve_model_path(model)
     spec = read_spec(path)
@@ -97,24 +97,26 @@ def load_model(
 
 
 def _int8_activations(wanted: str, kernel: Int4Kernel | None, dtype: torch.dtype, method: str) -> bool:
-    """Whether the int4 linears take int8 activations: asked for, and they go through the C
-    kernel (else the setting is ignored, and the log says why; _kernel_for has checked that the
-    kernel has the path)."""
-    if wanted != "int8":
+    """Whether the int4 linears take int8 activations: asked for (int8), or auto and the
+    kernel has the path, and they go through the C kernel (else an int8 asked for is ignored,
+    and the log says why; _kernel_for has checked that the kernel has the path)."""
+    if wanted == "bfloat16" or (wanted == "auto" and (kernel is None or not kernel.int8x_supported)):
         return False
     if kernel is None or not kernel_computes(dtype):
-        logger.warning("int4 activations int8: ignored, no int4 linears run in the C kernel here "
-                       "(quantization %s, %s)", method, str(dtype).removeprefix("torch."))
+        if wanted == "int8":
+            logger.warning("int4 activations int8: ignored, no int4 linears run in the C kernel here "
+                           "(quantization %s, %s)", method, str(dtype).removeprefix("torch."))
         return False
-    logger.info("int4 linears: int8 activations (each row of x quantized per group of 32, as llama.cpp does; "
-                "%s build)", kernel.int8x_build)
+    logger.info("int4 linears: int8 activations%s (each row of x quantized per group of 32, as llama.cpp does; "
+                "%s build)", " (auto)" if wanted == "auto" else "", kernel.int8x_build)
     return True
 
 
 def _kernel_for(kernel: Int4Kernel | None, int4_activations: str) -> Int4Kernel | None:
-    """The kernel when it has the path `int4_activations` asks for, else None with the reason
-    logged (int4 linears then use torch's kernel, and auto stays dense). ValueError for int8
-    activations on a CPU with no int8-activation build: asked for explicitly, so refused."""
+    """The kernel when it has the path `int4_activations` asks for (auto: either), else None
+    with the reason logged (int4 linears then use torch's kernel, and auto stays dense).
+    ValueError for int8 activations on a CPU with no int8-activation build: asked for
+    explicitly, so refused."""
     if kernel is None:
         return None
     if int4_activations == "int8":
@@ -122,9 +124,12 @@ def _kernel_for(kernel: Int4Kernel | None, int4_activations: str) -> Int4Kernel 
             raise ValueError("--int4-activations int8 needs AVX512-VNNI or AVX2 with FMA and F16C, which this CPU "
                              "(or the kernel's build) lacks")
         return kernel
+    if int4_activations == "auto" and kernel.int8x_supported:
+        return kernel
     if not kernel.bf16_supported:
         logger.warning("int4 linears: the C kernel's bfloat16 path needs AVX512-BF16, which this CPU lacks (auto "
-                       "stays dense; int4/gguf use torch's kernel); --int4-activations int8 runs the C kernel here")
+                       "stays dense; int4/gguf use torch's kernel)%s",
+                       "" if int4_activations == "auto" else "; --int4-activations int8 runs the C kernel here")
         return None
     return kernel
 

@@ -20,10 +20,11 @@ def is_linear(name: str) -> bool:
 def auto_keeps_q4(path: Path, device_type: str, dtype: str) -> bool:
     """Whether --quantization auto keeps this file's linears as int4 blocks when the C int4 kernel
     runs them (engine.cpu_kernels.int4_matmul): on CPU in bfloat16, a GGUF whose decoder linears
-    are all Q4_0/Q4_1. That kernel computes with bfloat16(q * d + m), the very values the dense
-    bfloat16 load holds for the same file, so nothing changes but the bytes read: a quarter
-    (benchmarks/RESULTS.md: short chats at batch 8 about 1.2x faster than dense, prefill-heavy
-    traffic the same). float32 stays dense, so stays exact against HF."""
+    are all Q4_0/Q4_1. That kernel reads a quarter of the bytes and computes as llama.cpp does
+    (int8 activations, EngineConfig.int4_activations auto; benchmarks/RESULTS.md: batch-1 decode
+    about twice llama.cpp's speed on the same file), or with --int4-activations bfloat16 with
+    bfloat16(q * d + m), the very values the dense bfloat16 load holds (short chats at batch 8
+    about 1.2x faster than dense). float32 stays dense, so stays exact against HF."""
     if device_type != "cpu" or dtype != "bfloat16" or path.is_dir():
         return False
     types = gguf_linear_types(path)

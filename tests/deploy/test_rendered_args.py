@@ -69,7 +69,7 @@ def test_engine_scheduling_quantization_thread_and_cpu_kernel_keys_reach_the_wor
                                  "prefill.engine.longPrefillTokenThreshold=512",
                                  "engine.maxLongPartialPrefills=2", "decode.engine.cpuAttentionKernel=false",
                                  "engine.cpuPackedWeights=false", "prefill.engine.cpuInt4Kernel=false",
-                                 "decode.engine.int4Activations=int8", "decode.engine.cpuKvHugePages=false"))
+                                 "decode.engine.int4Activations=bfloat16", "decode.engine.cpuKvHugePages=false"))
     prefill = WorkerSpec.from_args(_parse(container(objects, "prefill")["args"])).engine
     decode = WorkerSpec.from_args(_parse(container(objects, "decode")["args"])).engine
     assert (prefill.quantization, prefill.decode_threads, prefill.long_prefill_token_threshold,
@@ -81,7 +81,7 @@ def test_engine_scheduling_quantization_thread_and_cpu_kernel_keys_reach_the_wor
     assert prefill.cpu_packed_weights is decode.cpu_packed_weights is False
     assert (prefill.cpu_int4_kernel, decode.cpu_int4_kernel) == (False, True)
     assert "--no-cpu-int4-kernel" in container(objects, "prefill")["args"]
-    assert (prefill.int4_activations, decode.int4_activations) == ("bfloat16", "int8")
+    assert (prefill.int4_activations, decode.int4_activations) == ("auto", "bfloat16")
     assert (prefill.cpu_kv_huge_pages, decode.cpu_kv_huge_pages) == (True, False)
     assert "--no-cpu-kv-huge-pages" in container(objects, "decode")["args"]
 

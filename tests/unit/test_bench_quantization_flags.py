@@ -13,10 +13,11 @@ def test_vs_llamacpp_starts_pdserve_with_the_asked_quantization():
         "--max-num-seqs", "8", "--max-model-len", "4096"]
 
 
-def test_vs_llamacpp_passes_int8_activations_through_only_when_asked():
-    assert "--int4-activations" not in pdserve_flags("colocated", "auto", "gguf")
-    flags = pdserve_flags("colocated", "auto", "gguf", "int8")
-    assert flags[flags.index("--int4-activations") + 1] == "int8"
+def test_vs_llamacpp_passes_int4_activations_through_only_when_asked():
+    assert "--int4-activations" not in pdserve_flags("colocated", "auto", "gguf")  # auto, the workers' default
+    for asked in ("int8", "bfloat16"):
+        flags = pdserve_flags("colocated", "auto", "gguf", asked)
+        assert flags[flags.index("--int4-activations") + 1] == asked
 
 
 def test_vs_llamacpp_measures_decode_at_batch_1_one_request_at_a_time(tmp_path):

@@ -151,6 +151,30 @@ def test_two_threads_give_the_same_bits_as_one():
 def test_the_setting_is_checked():
     with pytest.raises(ValueError, match="int4_activations"):
         EngineConfig(int4_activations="int4")
+    assert EngineConfig().int4_activations == "auto"
+
+
+@pytest.mark.parametrize("bf16, int8x, wanted, path", [
+    (True, True, "auto", "int8"), (True, False, "auto", "bfloat16"), (False, True, "auto", "int8"),
+    (False, False, "auto", None), (True, True, "bfloat16", "bfloat16"), (False, True, "bfloat16", None),
+    (True, True, "int8", "int8"), (True, False, "int8", "refused")])
+def test_auto_activations_take_int8_where_the_kernel_has_that_path(bf16, int8x, wanted, path):
+    """What a worker's kernel does with each setting, by the paths this host's kernel has: auto
+    is int8 where it can be, else bfloat16; int8 asked for where it cannot be refuses to start."""
+    from types import SimpleNamespace
+
+    from engine.loader.model_loader import _int8_activations, _kernel_for
+
+    kernel = SimpleNamespace(bf16_supported=bf16, int8x_supported=int8x, int8x_build="avx512-vnni" if int8x else "")
+    if path == "refused":
+        with pytest.raises(ValueError, match="--int4-activations int8 needs AVX512-VNNI or AVX2"):
+            _kernel_for(kernel, wanted)
+        return
+    chosen = _kernel_for(kernel, wanted)
+    assert (chosen is kernel) == (path is not None)
+    if chosen is not None:
+        int8 = _int8_activations(wanted, chosen, torch.bfloat16, "gguf")
+        assert ("int8" if int8 else "bfloat16") == path
 
 
 @pytest.fixture(scope="module")

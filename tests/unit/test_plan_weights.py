@@ -111,7 +111,7 @@ def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_as_the_c_kernel
     # byte a weight plus a float16 d per 32, on top of the dense token embedding
     q8_head = 49152 * 576 + 49152 * 576 // 32 * 2
     assert q8_head == 30_081_024
-    monkeypatch.setattr(loader, "int4_kernel_host", lambda activations="bfloat16": None)  # a host that builds the C int4 kernel
+    monkeypatch.setattr(loader, "int4_kernel_host", lambda activations="auto": None)  # a host that builds the C int4 kernel
     kept = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--quantization", "gguf")
     assert (kept["weights"]["quantization"], kept["weights"]["head"]) == ("int4", "q8_0")
     assert kept["weights_bytes"] == 123_048_576 + q8_head
@@ -122,7 +122,7 @@ def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_as_the_c_kernel
     assert (torch_int4["weights"]["head"], torch_int4["weights_bytes"]) == ("dense", 123_048_576)
     off = plan_json(capsys, *cpu, "--dtype", "bfloat16", "--no-cpu-int4-kernel")
     assert (off["weights"]["quantization"], off["weights_bytes"]) == ("none", 269_030_016)
-    monkeypatch.setattr(loader, "int4_kernel_host", lambda activations="bfloat16": "the CPU has no AVX512-BF16")
+    monkeypatch.setattr(loader, "int4_kernel_host", lambda activations="auto": "the CPU has no AVX512-BF16")
     bf16 = plan_json(capsys, *cpu, "--dtype", "bfloat16")
     assert (bf16["weights"]["quantization"], bf16["weights_bytes"]) == ("none", 269_030_016)
     assert "no AVX512-BF16" in bf16["weights"]["quantization_source"]
@@ -130,26 +130,29 @@ def test_gguf_on_the_default_q4_gguf_counts_int4_and_auto_counts_as_the_c_kernel
     assert (f32["weights"]["quantization"], f32["weights_bytes"]) == ("none", 538_060_032)
 
 
-@pytest.mark.parametrize("flags, bf16_reason, int8_reason", [
-    ("avx2 fma f16c avx512f avx512_bf16 avx512_vnni", None, None),
-    ("avx2 fma f16c", "the CPU has no AVX512-BF16", None),  # the int8-activation kernel's AVX2 build
-    ("sse4_2 avx", "the CPU has no AVX512-BF16", "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"),
+@pytest.mark.parametrize("flags, bf16_reason, int8_reason, auto_reason", [
+    ("avx2 fma f16c avx512f avx512_bf16 avx512_vnni", None, None, None),
+    ("avx2 fma f16c", "the CPU has no AVX512-BF16", None, None),  # the int8-activation kernel's AVX2 build
+    ("sse4_2 avx", "the CPU has no AVX512-BF16", "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C",
+     "the CPU has neither AVX512-BF16 nor AVX512-VNNI or AVX2 with FMA and F16C"),
 ])
-def test_plan_predicts_each_c_int4_path_by_the_cpus_flags(monkeypatch, flags, bf16_reason, int8_reason):
+def test_plan_predicts_each_c_int4_path_by_the_cpus_flags(monkeypatch, flags, bf16_reason, int8_reason, auto_reason):
     from engine.cpu_kernels import loader
 
     monkeypatch.setattr(loader, "compiler", lambda: "/usr/bin/cc")
     monkeypatch.setattr(loader, "_cpu_flags", lambda: flags)
-    assert loader.int4_kernel_host() == bf16_reason
+    assert loader.int4_kernel_host("bfloat16") == bf16_reason
     assert loader.int4_kernel_host("int8") == int8_reason
+    assert loader.int4_kernel_host() == loader.int4_kernel_host("auto") == auto_reason
 
 
-def test_auto_counts_int4_on_an_avx2_host_when_int8_activations_are_asked_for(capsys, monkeypatch):
+def test_auto_counts_int4_on_an_avx2_host_unless_bfloat16_activations_are_asked_for(capsys, monkeypatch):
     from engine.cpu_kernels import loader
 
     monkeypatch.setattr(loader, "compiler", lambda: "/usr/bin/cc")
     monkeypatch.setattr(loader, "_cpu_flags", lambda: "avx2 fma f16c")
     cpu = ["--device", "cpu", "--device-memory", "8GiB", "--max-model-len", "2048", "--dtype", "bfloat16"]
-    assert plan_json(capsys, *cpu)["weights"]["quantization"] == "none"
-    int8 = plan_json(capsys, *cpu, "--int4-activations", "int8")
-    assert (int8["weights"]["quantization"], int8["weights"]["head"]) == ("int4", "q8_0")
+    assert plan_json(capsys, *cpu, "--int4-activations", "bfloat16")["weights"]["quantization"] == "none"
+    for asked in ([], ["--int4-activations", "int8"]):  # auto: int8 activations, the AVX2 build's path
+        int8 = plan_json(capsys, *cpu, *asked)
+        assert (int8["weights"]["quantization"], int8["weights"]["head"]) == ("int4", "q8_0")

@@ -17,7 +17,7 @@ from engine.loader.gguf_loader import read_gguf_spec, read_gguf_weights
 from engine.loader.gguf_quant import read_gguf_quantized
 from engine.loader.quant_choice import resolve_quantization
 from engine.model.quantized_linear import (
-    Int4Linear, Int4Weight, Int8Linear, Int8Weight, KernelInt4Linear, kernels_available, quantize_int4,
+    Int4Linear, Int4Weight, Int8Linear, Int8Weight, KernelInt4Int8xLinear, KernelInt4Linear, kernels_available, quantize_int4,
     quantize_int8,
 )
 from pdserve.specs import engine_argv
@@ -136,15 +136,20 @@ def test_gguf_keeps_a_q4_gguf_quantized_on_cpu_and_auto_only_with_the_c_kernel_i
         resolve_quantization("int4", q4, "cuda", False, "bfloat16")
 
 
-_C_INT4 = KernelInt4Linear if load_int4_kernel()[0] is not None and load_int4_kernel()[0].bf16_supported else Int4Linear
-"""What int4 linears are on this host with the C kernel on (tests/unit/test_cpu_int4_kernel.py)."""
+_KERNEL = load_int4_kernel()[0]
+_C_BF16 = KernelInt4Linear if _KERNEL is not None and _KERNEL.bf16_supported else Int4Linear
+"""What int4 linears are on this host with the C kernel on and bfloat16 activations
+(tests/unit/test_cpu_int4_kernel.py)."""
+_C_AUTO = KernelInt4Int8xLinear if _KERNEL is not None and _KERNEL.int8x_supported else _C_BF16
+"""The same with the default activations (auto: int8 where the kernel has that path)."""
 
 
-@pytest.mark.parametrize("method, c_kernel, module_type", [
-    ("int4", True, _C_INT4), ("int4", False, Int4Linear), ("int8", True, Int8Linear)])
-def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method, c_kernel, module_type):
+@pytest.mark.parametrize("method, c_kernel, activations, module_type", [
+    ("int4", True, "auto", _C_AUTO), ("int4", True, "bfloat16", _C_BF16), ("int4", False, "auto", Int4Linear),
+    ("int8", True, "auto", Int8Linear)])
+def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method, c_kernel, activations, module_type):
     llm = tiny_llm(write_tiny_model(tmp_path / "tiny"), dtype="bfloat16", quantization=method,
-                   cpu_int4_kernel=c_kernel)
+                   cpu_int4_kernel=c_kernel, int4_activations=activations)
     model = llm.engine.runner.model
     linears = {name.rpartition(".")[2]: m for name, m in model.model.layers[1].named_modules()
                if name.endswith("_proj")}
@@ -153,7 +158,7 @@ def test_an_hf_folder_is_quantized_at_load_and_generates(tmp_path: Path, method,
     assert sorted(linears) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     assert all(isinstance(m, module_type) for m in linears.values())
     assert isinstance(model.model.embed_tokens, nn.Embedding)  # embeddings and an HF lm_head stay dense
-    assert not isinstance(model.lm_head, (Int4Linear, KernelInt4Linear, Int8Linear))
+    assert not isinstance(model.lm_head, (Int4Linear, KernelInt4Linear, KernelInt4Int8xLinear, Int8Linear))
     [out] = llm.generate([[1, 2, 3, 4]], _greedy(6))
     assert len(out.token_ids) == 6
 
