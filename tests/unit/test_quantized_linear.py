@@ -17,8 +17,8 @@ from engine.loader.gguf_loader import read_gguf_spec, read_gguf_weights
 from engine.loader.gguf_quant import read_gguf_quantized
 from engine.loader.quant_choice import resolve_quantization
 from engine.model.quantized_linear import (
-    Int4Linear, Int4Weight, Int8Linear, Int8Weight, KernelInt4Int8xLinear, KernelInt4Linear, kernels_available, quantize_int4,
-    quantize_int8,
+    Int4Linear, Int4Weight, Int8Linear, Int8Weight, KernelInt4Int8xLinear, KernelInt4Linear, kernels_available,
+    quantize_int4, quantize_int8,
 )
 from pdserve.specs import engine_argv
 from tests.tiny_model import tiny_llm, write_tiny_model
