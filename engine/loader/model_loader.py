@@ -76,13 +76,13 @@ def load_model(
     dtype_name = str(dtype).removeprefix("torch.")
     wants_kernel = cpu_int4_kernel and device.type == "cpu" and (
         quantization in ("int4", "gguf") or (quantization == "auto" and auto_keeps_q4(path, device.type, dtype_name)))
-    kernel = _kernel_for(_int4_kernel(), int4_activations) if wants_kernel else None
+    kernel, int8_path = _kernel_for(_int4_kernel(), int4_activations) if wants_kernel else (None, False)
     method = resolve_quantization(quantization, path, device.type, kernels_available(device.type), dtype_name,
                                   fast_int4=kernel is not None)
     if method not in ("int4", "gguf"):
         kernel = None
     q8_head = kernel is not None and kernel_computes(dtype)
-    int8_activations = _int8_activations(int4_activations, kernel, dtype, method)
+    int8_activations = _int8_activations(int8_path, int4_activations, kernel, dtype, method)
     weights, quantized, from_cache = _read_weights(path, spec, cache_dir, method, q8_head)
     module = build_module(spec, weights, dtype, device, quantized, kernel, int8_activations)
     del weights, quantized
@@ -96,44 +96,40 @@ def load_model(
     return LoadedModel(module, spec, path, seconds, from_cache, method)
 
 
-def _int8_activations(wanted: str, kernel: Int4Kernel | None, dtype: torch.dtype, method: str) -> bool:
-    """Whether the int4 linears take int8 activations: asked for (int8), or auto and the
-    kernel has the path, and they go through the C kernel (else an int8 asked for is ignored,
-    and the log says why; _kernel_for has checked that the kernel has the path)."""
-    if wanted == "bfloat16" or (wanted == "auto" and (kernel is None or not kernel.int8x_supported)):
-        return False
-    if kernel is None or not kernel_computes(dtype):
-        if wanted == "int8":
+def _int8_activations(int8_path: bool, asked: str, kernel: Int4Kernel | None, dtype: torch.dtype,
+                      method: str) -> bool:
+    """Whether the int4 linears take int8 activations: `_kernel_for` chose that path, and they go
+    through the C kernel (else int8 asked for is ignored, and the log says why)."""
+    if not (int8_path and kernel is not None and kernel_computes(dtype)):
+        if asked == "int8":
             logger.warning("int4 activations int8: ignored, no int4 linears run in the C kernel here "
                            "(quantization %s, %s)", method, str(dtype).removeprefix("torch."))
         return False
     logger.info("int4 linears: int8 activations%s (each row of x quantized per group of 32, as llama.cpp does; "
-                "%s build)%s", " (auto)" if wanted == "auto" else "", kernel.int8x_build,
+                "%s build)%s", " (auto)" if asked == "auto" else "", kernel.int8x_build,
                 "; --int4-activations bfloat16 keeps the dense model's numerics, at about half the decode speed"
-                if wanted == "auto" and kernel.bf16_supported else "")
+                if asked == "auto" and kernel.bf16_supported else "")
     return True
 
 
-def _kernel_for(kernel: Int4Kernel | None, int4_activations: str) -> Int4Kernel | None:
-    """The kernel when it has the path `int4_activations` asks for (auto: either), else None
-    with the reason logged (int4 linears then use torch's kernel, and auto stays dense).
-    ValueError for int8 activations on a CPU with no int8-activation build: asked for
-    explicitly, so refused."""
+def _kernel_for(kernel: Int4Kernel | None, asked: str) -> tuple[Int4Kernel | None, bool]:
+    """(the kernel when it has a path for `int4_activations` `asked`, whether that path is int8
+    activations): int8 when asked for, or auto and the kernel has it. No path: None, with the
+    reason logged (int4 linears then use torch's kernel, and auto stays dense). ValueError for
+    int8 asked for on a CPU with no int8-activation build: asked for explicitly, so refused."""
     if kernel is None:
-        return None
-    if int4_activations == "int8":
+        return None, False
+    if asked == "int8" or (asked == "auto" and kernel.int8x_supported):
         if not kernel.int8x_supported:
             raise ValueError("--int4-activations int8 needs AVX512-VNNI or AVX2 with FMA and F16C, which this CPU "
                              "(or the kernel's build) lacks")
-        return kernel
-    if int4_activations == "auto" and kernel.int8x_supported:
-        return kernel
+        return kernel, True
     if not kernel.bf16_supported:
         logger.warning("int4 linears: the C kernel's bfloat16 path needs AVX512-BF16, which this CPU lacks (auto "
                        "stays dense; int4/gguf use torch's kernel)%s",
-                       "" if int4_activations == "auto" else "; --int4-activations int8 runs the C kernel here")
-        return None
-    return kernel
+                       "; --int4-activations int8 runs the C kernel here" if kernel.int8x_supported else "")
+        return None, False
+    return kernel, False
 
 
 def _int4_kernel() -> Int4Kernel | None:

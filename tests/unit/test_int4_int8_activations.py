@@ -170,10 +170,10 @@ def test_auto_activations_take_int8_where_the_kernel_has_that_path(bf16, int8x, 
         with pytest.raises(ValueError, match="--int4-activations int8 needs AVX512-VNNI or AVX2"):
             _kernel_for(kernel, wanted)
         return
-    chosen = _kernel_for(kernel, wanted)
+    chosen, int8_path = _kernel_for(kernel, wanted)
     assert (chosen is kernel) == (path is not None)
     if chosen is not None:
-        int8 = _int8_activations(wanted, chosen, torch.bfloat16, "gguf")
+        int8 = _int8_activations(int8_path, wanted, chosen, torch.bfloat16, "gguf")
         assert ("int8" if int8 else "bfloat16") == path
 
 
