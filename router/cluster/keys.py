@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Literal, get_args
 
 from proto.auth import sign, verify
@@ -280,11 +281,11 @@ class ClusterSnapshot:
         """Serving workers that may prefill (role "prefill" or "both"). The one place routing,
         admission and readiness read candidates from: a draining worker is left out, so it gets
         no new work from the next snapshot on."""
-        return tuple(w for w in self.members("prefill") if w.state == "serving")
+        return self._candidates[0]
 
     def decode_workers(self) -> tuple[WorkerInfo, ...]:
         """Serving workers that may decode (role "decode" or "both"); see prefill_workers."""
-        return tuple(w for w in self.members("decode") if w.state == "serving")
+        return self._candidates[1]
 
     def members(self, role: Literal["prefill", "decode"]) -> tuple[WorkerInfo, ...]:
         """Every live worker of the role, draining ones included: what holds KV blocks and
@@ -295,7 +296,21 @@ class ClusterSnapshot:
 
     def by_id(self, worker_id: str) -> WorkerInfo | None:
         """The worker with this id, or None when the snapshot has none."""
-        return next((w for w in self.workers if w.worker_id == worker_id), None)
+        return self._by_id.get(worker_id)
+
+    # A snapshot is read several times by every request routed on it (candidates, the chosen
+    # workers' entries): these are worked out once per snapshot, on first use.
+    @cached_property
+    def _candidates(self) -> tuple[tuple[WorkerInfo, ...], tuple[WorkerInfo, ...]]:
+        return (tuple(w for w in self.members("prefill") if w.state == "serving"),
+                tuple(w for w in self.members("decode") if w.state == "serving"))
+
+    @cached_property
+    def _by_id(self) -> dict[str, WorkerInfo]:
+        found: dict[str, WorkerInfo] = {}
+        for w in self.workers:
+            found.setdefault(w.worker_id, w)
+        return found
 
 
 SIGNATURE_FIELD = "signature"

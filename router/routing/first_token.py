@@ -154,6 +154,9 @@ async def settle_prefill(task: asyncio.Task, finished: bool, wait_s: float) -> N
     is harmless (the KV had arrived) and is not raised."""
     if finished and not task.done():
         await asyncio.wait({task}, timeout=wait_s)
-    if not task.done():
-        task.cancel()
+    if task.done():  # read its outcome here: gather() would take a pass of the loop for it
+        if not task.cancelled():
+            task.exception()
+        return
+    task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -22,6 +22,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 from engine.registry import Registry
@@ -76,11 +77,19 @@ class RouteRequest:
 
     def cached_for(self, worker_id: str) -> int:
         """Leading prompt blocks worker_id holds (0 when the index knows of none)."""
-        return next((count for wid, count in self.cached_blocks if wid == worker_id), 0)
+        return self._cached.get(worker_id, 0)
 
     def held_by(self, worker_id: str) -> int:
         """Blocks of any prompt the index holds for worker_id (0 when it knows of none)."""
-        return next((count for wid, count in self.held_blocks if wid == worker_id), 0)
+        return self._held.get(worker_id, 0)
+
+    @cached_property
+    def _cached(self) -> dict[str, int]:
+        return dict(self.cached_blocks)
+
+    @cached_property
+    def _held(self) -> dict[str, int]:
+        return dict(self.held_blocks)
 
 
 @dataclass(frozen=True)

@@ -32,19 +32,48 @@ _SHIELDED: contextvars.ContextVar[bool] = contextvars.ContextVar("pdserve_shield
 
 async def run_shielded(coro: Coroutine[Any, Any, None]) -> None:
     """Run `coro` to completion even if the caller is cancelled (client disconnects cancel the
-    handler, but the backend must still hear the abort)."""
+    handler, but the backend must still hear the abort).
+
+    It starts at once, in the caller's task, and only what is left when it first waits goes on
+    in a task of its own (what asyncio's eager tasks do from Python 3.12 on): most cleanups
+    never wait (a request that finished has nothing left to abort), and then cost no task and
+    no pass of the event loop, so a stream's last tokens and its end leave in one write. Until
+    that first wait a cancel cannot reach it: cancels are delivered at waits only."""
     if _SHIELDED.get():
         await coro
         return
-    task = asyncio.ensure_future(_shielded(coro))
+    shielded = _SHIELDED.set(True)
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration:
+        return
+    finally:
+        _SHIELDED.reset(shielded)
+    task = asyncio.ensure_future(_go_on(coro, waiting_on))
     _CLEANUPS.add(task)
     task.add_done_callback(_CLEANUPS.discard)
     await asyncio.shield(task)
 
 
-async def _shielded(coro: Coroutine[Any, Any, None]) -> None:
+async def _go_on(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    """Drives `coro` on from where it first waited (on `waiting_on`: a future, or None for a
+    bare pass of the loop), as its task would."""
     _SHIELDED.set(True)  # the task runs in a copy of the caller's context: the caller is untouched
-    await coro
+    while True:
+        if waiting_on is None:
+            await asyncio.sleep(0)
+        else:
+            # Taken over as a task takes over the future its coroutine yields: the flag says
+            # the coroutine waits for it, and awaiting it again must not find it set.
+            waiting_on._asyncio_future_blocking = False
+            try:
+                await waiting_on
+            except BaseException:  # noqa: BLE001 - `coro` reads the outcome itself when it resumes
+                pass
+        try:
+            waiting_on = coro.send(None)
+        except StopIteration:
+            return
 
 
 class FanOut:

@@ -98,6 +98,11 @@ class GenerationRun:
     def num_choices(self) -> int:
         return len(self._trackers)
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has its finish reason (the last update has been returned)."""
+        return all(t.finished for t in self._trackers)
+
     def head(self) -> ResponseHead:
         plan = self._plan
         return ResponseHead(plan.response_id, plan.created, plan.model, self._path, self._route)

@@ -347,6 +347,12 @@ async def _events(
     try:
         update = first
         while update is not None:
+            if run.finished:
+                # Closed before the last update goes out: its blocks are freed and its metrics
+                # counted before the client can see the end, and the last tokens, [DONE] and
+                # the response's end then leave in one write instead of two (the close is a
+                # loop pass of its own).
+                await run.aclose()
             yield update
             update = await run.next_update()
         if include_usage:
