@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from functools import cached_property
 from typing import Literal, get_args
 
 from proto.auth import sign, verify
@@ -298,19 +297,16 @@ class ClusterSnapshot:
         """The worker with this id, or None when the snapshot has none."""
         return self._by_id.get(worker_id)
 
-    # A snapshot is read several times by every request routed on it (candidates, the chosen
-    # workers' entries): these are worked out once per snapshot, on first use.
-    @cached_property
-    def _candidates(self) -> tuple[tuple[WorkerInfo, ...], tuple[WorkerInfo, ...]]:
-        return (tuple(w for w in self.members("prefill") if w.state == "serving"),
-                tuple(w for w in self.members("decode") if w.state == "serving"))
-
-    @cached_property
-    def _by_id(self) -> dict[str, WorkerInfo]:
-        found: dict[str, WorkerInfo] = {}
+    def __post_init__(self) -> None:
+        # Read several times by every request routed on this snapshot (the candidates, the
+        # chosen workers' entries): worked out once here rather than scanned per call.
+        prefill = tuple(w for w in self.workers if w.serves_prefill and w.state == "serving")
+        decode = tuple(w for w in self.workers if w.serves_decode and w.state == "serving")
+        by_id: dict[str, WorkerInfo] = {}
         for w in self.workers:
-            found.setdefault(w.worker_id, w)
-        return found
+            by_id.setdefault(w.worker_id, w)
+        object.__setattr__(self, "_candidates", (prefill, decode))
+        object.__setattr__(self, "_by_id", by_id)
 
 
 SIGNATURE_FIELD = "signature"

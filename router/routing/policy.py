@@ -22,7 +22,6 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Protocol
 
 from engine.registry import Registry
@@ -74,6 +73,9 @@ class RouteRequest:
             for worker_id, count in pairs:
                 if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                     raise ValueError(f"{name}[{worker_id!r}] must be an int >= 0; got {count!r}")
+        # Looked up per worker by the policies (cached_for, held_by).
+        object.__setattr__(self, "_cached", dict(self.cached_blocks))
+        object.__setattr__(self, "_held", dict(self.held_blocks))
 
     def cached_for(self, worker_id: str) -> int:
         """Leading prompt blocks worker_id holds (0 when the index knows of none)."""
@@ -82,14 +84,6 @@ class RouteRequest:
     def held_by(self, worker_id: str) -> int:
         """Blocks of any prompt the index holds for worker_id (0 when it knows of none)."""
         return self._held.get(worker_id, 0)
-
-    @cached_property
-    def _cached(self) -> dict[str, int]:
-        return dict(self.cached_blocks)
-
-    @cached_property
-    def _held(self) -> dict[str, int]:
-        return dict(self.held_blocks)
 
 
 @dataclass(frozen=True)
@@ -176,9 +170,11 @@ def _pick_lowest(
     rng: random.Random,
 ) -> WorkerInfo:
     """The worker with the lowest key; ties broken by rng (drawn only when there is a tie)."""
-    ordered = _by_id(workers)
-    best = min(key(w) for w in ordered)
-    tied = [w for w in ordered if key(w) == best]
+    if len(workers) == 1:
+        return workers[0]
+    keyed = [(key(w), w) for w in _by_id(workers)]
+    best = min(k for k, _ in keyed)
+    tied = [w for k, w in keyed if k == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
