@@ -184,6 +184,17 @@ class WorkerInfo:
                 f"got {self.updated_at!r}"
             )
 
+    def with_queued_prefill_tokens(self, tokens: int) -> WorkerInfo:
+        """This entry with another queued_prefill_tokens (an int >= 0). The router makes one per
+        request it routes (its own prefills in flight, on top of the heartbeat's count), so the
+        rest, checked when this entry was made, is copied rather than checked again."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"worker {self.worker_id!r}: queued_prefill_tokens must be an int >= 0; got {tokens!r}")
+        copy = object.__new__(WorkerInfo)
+        copy.__dict__.update(self.__dict__)
+        object.__setattr__(copy, "queued_prefill_tokens", tokens)
+        return copy
+
     @property
     def draining(self) -> bool:
         return self.state == "draining"

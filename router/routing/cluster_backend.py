@@ -289,7 +289,7 @@ class ClusterBackend:
         if not own:
             return snapshot
         workers = tuple(
-            replace(w, queued_prefill_tokens=max(w.queued_prefill_tokens, own[w.worker_id]))
+            w.with_queued_prefill_tokens(max(w.queued_prefill_tokens, own[w.worker_id]))
             if own[w.worker_id] else w for w in snapshot.workers)
         return ClusterSnapshot(workers=workers, taken_at=snapshot.taken_at, stale=snapshot.stale)
 

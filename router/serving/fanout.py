@@ -146,10 +146,11 @@ class FanOut:
         if self._closed:
             return
         self._closed = True
-        for task in self._pending:
-            task.cancel()
-        await asyncio.gather(*self._pending, return_exceptions=True)
-        self._pending.clear()
+        if self._pending:
+            for task in self._pending:
+                task.cancel()
+            await asyncio.gather(*self._pending, return_exceptions=True)
+            self._pending.clear()
         for stream in self._streams:
             await _close(stream)
         unfinished = [self._requests[i].request_id for i in sorted(self._active)]

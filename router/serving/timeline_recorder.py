@@ -67,19 +67,18 @@ class TimelineRecorder:
         self._error = str(error)
 
     def finish(self, *, finish_reason: str | None, path: str | None, prompt_tokens: int,
-               completion_tokens: int, sequences: int) -> Timeline:
-        """Builds the timeline (ending now) and stores it."""
+               completion_tokens: int, sequences: int) -> None:
+        """Ends the timeline now and stores it (built when first read: TimelineStore.put_later)."""
         e2e = self._ms(self._clock())
-        timeline = Timeline(
+        error = self._error
+        self._store.put_later(self._request_id, e2e, lambda: Timeline(
             request_id=self._request_id, arrival_unix=self._arrival_unix, e2e_ms=e2e,
             phases=self._phases(e2e), marks=self._marks(e2e),
-            finish_reason="error" if self._error is not None else (finish_reason or "abort"),
+            finish_reason="error" if error is not None else (finish_reason or "abort"),
             path=path, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             route=self._trace.route if self._trace else None,
             transfer=self._trace.transfer if self._trace else None,
-            error=self._error, sequences=sequences, model=self._model)
-        self._store.put(timeline)
-        return timeline
+            error=error, sequences=sequences, model=self._model))
 
     def _ms(self, t: float | None) -> float | None:
         return None if t is None else (t - self._arrived) * 1000.0

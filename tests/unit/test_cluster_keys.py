@@ -327,3 +327,15 @@ def test_a_link_address_must_be_host_and_port():
 
     with pytest.raises(ValueError, match="link_address must be host:port"):
         dataclasses.replace(make_worker(), link_address="nohost")
+
+
+def test_with_queued_prefill_tokens_is_the_entry_with_that_count_and_refuses_a_bad_one():
+    worker = make_worker(queued_prefill_tokens=3)
+    loaded = worker.with_queued_prefill_tokens(40)
+    assert loaded == dataclasses.replace(worker, queued_prefill_tokens=40)
+    assert worker.queued_prefill_tokens == 3  # the original is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        loaded.queued_prefill_tokens = 1  # type: ignore[misc]
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="queued_prefill_tokens must be an int >= 0"):
+            worker.with_queued_prefill_tokens(bad)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ and finished chunks pass as they are."""
 
 from __future__ import annotations
 
-from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1 import common_pb2, worker_pb2
 from router.routing.worker_replies import join_queued
 
 
@@ -53,3 +53,21 @@ def test_nothing_past_a_finished_chunk_is_taken():
     joined = join_queued(stream, chunk([10]))
     assert list(joined.tokens.token_ids) == [10, 11] and joined.tokens.finish_reason == "length"
     assert [list(e.tokens.token_ids) for e in stream.events] == [[99]]  # left for read(): a protocol error there
+
+
+def test_a_stop_token_id_0_and_every_logprob_survive_the_join():
+    """The join parses the parts' bytes laid end to end (a protobuf merge): a last chunk's stop
+    token id 0 is a default, not serialized, and must still win over the earlier chunks' -1."""
+    def with_logprob(ids, **kw):
+        event = chunk(ids, **kw)
+        for token_id in ids:
+            event.tokens.logprobs.add(token_id=token_id, logprob=-0.5 * token_id, rank=1,
+                                      top=[common_pb2.TopLogprob(token_id=token_id, logprob=-0.1)])
+        return event
+
+    stream = Queued(with_logprob([11]), with_logprob([0], finish="stop", stop=0))
+    joined = join_queued(stream, with_logprob([10]))
+    assert list(joined.tokens.token_ids) == [10, 11, 0]
+    assert (joined.tokens.finish_reason, joined.tokens.stop_token_id) == ("stop", 0)
+    assert [(lp.token_id, lp.logprob, [t.token_id for t in lp.top]) for lp in joined.tokens.logprobs] == [
+        (10, -5.0, [10]), (11, -5.5, [11]), (0, 0.0, [0])]

@@ -56,8 +56,9 @@ def test_a_disaggregated_request_has_every_phase_in_order_and_they_add_up_to_e2e
     clock.now = 100.200
     recorder.on_delta(0, TokenDelta((8,), finish_reason="length"))
     clock.now = 100.250
-    timeline = recorder.finish(finish_reason="length", path="disaggregated", prompt_tokens=40,
-                               completion_tokens=4, sequences=2)
+    recorder.finish(finish_reason="length", path="disaggregated", prompt_tokens=40,
+                    completion_tokens=4, sequences=2)
+    timeline = store.get("req-1")
 
     assert _bounds(timeline) == [("validate", 0.0, 11.0), ("admission_wait", 11.0, 20.0),
                                  ("reserve", 20.0, 30.0), ("prefill", 30.0, 100.0),
@@ -107,7 +108,8 @@ def test_an_error_before_the_ticket_ends_the_timeline_in_the_phase_it_was_in():
     recorder.on_delta(0, TokenDelta((), trace=trace))
     clock.now = 100.500
     recorder.failed(RuntimeError("no decode worker has room"))
-    timeline = recorder.finish(finish_reason=None, path=None, prompt_tokens=3, completion_tokens=0, sequences=1)
+    recorder.finish(finish_reason=None, path=None, prompt_tokens=3, completion_tokens=0, sequences=1)
+    timeline = store.get("req-2")
 
     assert _bounds(timeline) == [("validate", 0.0, 5.0), ("admission_wait", 5.0, 500.0)]
     assert (timeline.finish_reason, timeline.error) == ("error", "no decode worker has room")
@@ -121,8 +123,9 @@ def test_a_client_gone_before_the_end_is_recorded_as_abort():
     clock.now = 100.050
     recorder.on_delta(0, TokenDelta((7,)))
     clock.now = 100.060
-    timeline = recorder.finish(finish_reason=None, path="colocated", prompt_tokens=3, completion_tokens=1,
-                               sequences=1)
+    recorder.finish(finish_reason=None, path="colocated", prompt_tokens=3, completion_tokens=1,
+                    sequences=1)
+    timeline = store.get("req-3")
     assert timeline.finish_reason == "abort"
     assert _bounds(timeline) == [("validate", 0.0, 0.0), ("backend", 0.0, 50.0), ("decode", 50.0, 50.0),
                                  ("finish", 50.0, 60.0)]
@@ -136,8 +139,9 @@ def test_boundaries_out_of_order_are_clamped_so_no_phase_is_negative():
     clock.now = 100.020
     recorder.on_delta(0, TokenDelta((7,), trace=trace, finish_reason="length"))
     clock.now = 100.040
-    timeline = recorder.finish(finish_reason="length", path="disaggregated", prompt_tokens=1,
-                               completion_tokens=1, sequences=1)
+    recorder.finish(finish_reason="length", path="disaggregated", prompt_tokens=1,
+                    completion_tokens=1, sequences=1)
+    timeline = store.get("req-4")
     assert _bounds(timeline) == [("validate", 0.0, 30.0), ("admission_wait", 30.0, 30.0),
                                  ("reserve", 30.0, 40.0), ("prefill", 40.0, 40.0), ("decode", 40.0, 40.0),
                                  ("finish", 40.0, 40.0)]
@@ -285,3 +289,32 @@ def test_without_the_otlp_exporter_installed_export_is_off_with_a_warning(caplog
         assert "opentelemetry-exporter-otlp" in caplog.text
     else:
         pytest.skip("the OTLP exporter is installed here")
+
+
+def test_a_recorded_timeline_is_built_when_first_read_or_at_once_for_subscribers():
+    clock, store = Clock(), TimelineStore()
+    builds = []
+    real_phases = TimelineRecorder._phases
+
+    def counting_phases(self, e2e):
+        builds.append(self._request_id)
+        return real_phases(self, e2e)
+
+    TimelineRecorder._phases = counting_phases  # type: ignore[method-assign]
+    try:
+        for rid in ("a", "b"):
+            recorder = TimelineRecorder(store, rid, MODEL, clock, lambda: 0.0)
+            clock.now += 0.01
+            recorder.finish(finish_reason="stop", path=None, prompt_tokens=0, completion_tokens=0, sequences=1)
+        assert builds == []  # nobody read them yet
+        assert store.get("a").e2e_ms == pytest.approx(10.0) and builds == ["a"]
+        assert store.get("a") is store.get("a") and builds == ["a"]  # built once
+        assert [t.request_id for t in store.recent(10)] == ["b", "a"] and builds == ["a", "b"]
+
+        seen = []
+        store.subscribe(seen.append)
+        recorder = TimelineRecorder(store, "c", MODEL, clock, lambda: 0.0)
+        recorder.finish(finish_reason="stop", path=None, prompt_tokens=0, completion_tokens=0, sequences=1)
+        assert [t.request_id for t in seen] == ["c"] and builds == ["a", "b", "c"]
+    finally:
+        TimelineRecorder._phases = real_phases  # type: ignore[method-assign]
