@@ -14,9 +14,10 @@ from google.protobuf.message import Message
 
 from proto.link.frames import LinkStatus
 
-__all__ = ["CANCELLED", "Call", "LinkRpcError", "LinkStreamCall", "UnaryCall"]
+__all__ = ["CANCELLED", "DEADLINE_EXCEEDED", "Call", "LinkRpcError", "LinkStreamCall", "UnaryCall"]
 
 CANCELLED = LinkStatus(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+DEADLINE_EXCEEDED = LinkStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
 class LinkRpcError(grpc.aio.AioRpcError):
@@ -154,6 +155,14 @@ class UnaryCall(Call):
 
     def on_message(self, payload: bytes) -> None:
         self._payload = payload
+
+    def expire(self) -> None:
+        """Its deadline passed: the worker is told (CANCEL) and the call ends DEADLINE_EXCEEDED,
+        as a gRPC call past its deadline does."""
+        if self.status is None:
+            if self.connection is not None:
+                self.connection.cancel(self.call_id)
+            self.end(DEADLINE_EXCEEDED)
 
     def end(self, status: LinkStatus) -> None:
         if self.status is None:

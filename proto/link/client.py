@@ -32,7 +32,7 @@ from proto.link import handshake
 from proto.link.coalesce import CoalescingWriter
 from proto.link.frames import (
     MAX_CALL_ID, FrameKind, FrameReader, LinkProtocolError, LinkStatus, decode_status, frame)
-from proto.link.calls import Call, LinkRpcError, LinkStreamCall, UnaryCall
+from proto.link.calls import DEADLINE_EXCEEDED, Call, LinkRpcError, LinkStreamCall, UnaryCall
 from proto.link.methods import ABORT, DECODE, PREFILL, LinkMethod
 
 __all__ = ["LinkChannel", "LinkDecodeStub", "LinkPrefillStub", "LinkRpcError", "LinkStreamCall"]
@@ -75,6 +75,20 @@ class LinkChannel:
         data = self._request_bytes(method, request, call)
         if data is None:
             raise call.error()
+        connection = self._connection
+        if connection is not None and connection.open:
+            # The usual case: the deadline is one timer on the reply, not asyncio.timeout's task
+            # bookkeeping (a router makes a Prefill call per request).
+            connection.start(call, data)
+            timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, call.expire)
+            try:
+                return await call.result()
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
         try:
             async with asyncio.timeout(timeout):
                 connection = await self._connected()
@@ -82,8 +96,7 @@ class LinkChannel:
                 return await call.result()
         except TimeoutError:
             call.cancel()
-            raise LinkRpcError(LinkStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
-                               self.address) from None
+            raise LinkRpcError(DEADLINE_EXCEEDED, self.address) from None
         except asyncio.CancelledError:
             call.cancel()
             raise

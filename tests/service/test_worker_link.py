@@ -50,11 +50,11 @@ class FakeWorker:
             raise
 
     async def Prefill(self, request, context):  # noqa: N802
-        if request.request_id == "slow":
+        if request.request_id.startswith("slow"):
             try:
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
-                self.ended["slow"] = "cancelled"
+                self.ended[request.request_id] = "cancelled"
                 raise
         if request.request_id == "huge":
             return worker_pb2.PrefillResponse(first_token_id=1, transfer=worker_pb2.TransferStats(backend="x" * 5_000_000))
@@ -186,6 +186,17 @@ def test_a_unary_call_past_its_deadline_fails_deadline_exceeded_and_is_cancelled
                     break
                 await asyncio.sleep(0.01)
             assert worker.ended == {"slow": "cancelled"}
+            # Again on the connection now open (the deadline is then a timer on the reply).
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await LinkPrefillStub(channel).Prefill(worker_pb2.PrefillRequest(request_id="slow-2"), timeout=0.2)
+            assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                                     "Deadline Exceeded")
+            for _ in range(200):
+                if worker.ended.get("slow-2"):
+                    break
+                await asyncio.sleep(0.01)
+            assert worker.ended == {"slow": "cancelled", "slow-2": "cancelled"}
+            assert channel.connects == 1
         await server.stop(1)
 
     run(scenario)
