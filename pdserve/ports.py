@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 LOCALHOST = "127.0.0.1"
@@ -19,17 +20,22 @@ LOWEST = 20000
 TRIES = 500
 
 
-def free_port(host: str = LOCALHOST) -> int:
+def free_port(host: str = LOCALHOST, avoid: Collection[int] = ()) -> int:
     """A port nothing listens on at `host` a moment ago, below the ephemeral range when there
-    is room. Raises RuntimeError when TRIES random picks all found a listener."""
+    is room, and none of `avoid` (ports the caller is about to bind for something else: a
+    launcher picking Redis's port before its router binds the ports it was given). Raises
+    RuntimeError when TRIES picks all found a listener."""
     low = ephemeral_ports_start()
-    if low <= LOWEST:  # nothing to pick below such a range
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return sock.getsockname()[1]
     for _ in range(TRIES):
+        if low <= LOWEST:  # nothing to pick below such a range
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in avoid:
+                return port
+            continue
         port = random.randrange(LOWEST, low)
-        if port_is_free(port, host):
+        if port not in avoid and port_is_free(port, host):
             return port
     raise RuntimeError(f"no free port found in {LOWEST}..{low - 1} on {host}")
 

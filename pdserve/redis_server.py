@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 from pdserve.launchers.child import die_with_parent
@@ -175,13 +176,17 @@ class EmbeddedRedis:
         executable: str | os.PathLike[str] | None = None,
         password: str | None = None,
         host: str = HOST,
+        avoid_ports: Iterable[int] = (),
     ) -> None:
         """host: the address to bind and advertise (127.0.0.1 unless other machines need it, as
-        on a multi-node Ray cluster)."""
+        on a multi-node Ray cluster). avoid_ports: ports a free pick must not take, because the
+        caller binds them next (pdserve up: the router's --port and --grpc-port, which nothing
+        listens on yet when Redis starts)."""
         if password is not None and (not password or any(c.isspace() or c in "\"'\\" for c in password)):
             raise ValueError("the embedded Redis password must be non-empty, without whitespace or quotes")
         self._password = password if password is not None else secrets.token_urlsafe(32)
         self._requested_port = port
+        self._avoid_ports = frozenset(p for p in avoid_ports if p)
         self._host = host
         self._port: int | None = port
         self._start_timeout_s = start_timeout_s
@@ -238,7 +243,8 @@ class EmbeddedRedis:
             raise EmbeddedRedisError(f"no redis-server executable at {executable}")
         attempts = 1 if self._requested_port is not None else self.START_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            port = self._requested_port if self._requested_port is not None else free_port(self._host)
+            port = (self._requested_port if self._requested_port is not None
+                    else free_port(self._host, self._avoid_ports))
             try:
                 self._launch(executable, port)
                 return self

@@ -204,7 +204,7 @@ class LocalCluster:
         if self.args.redis_url is None:
             from pdserve.redis_server import EmbeddedRedis
 
-            self.redis = EmbeddedRedis()
+            self.redis = EmbeddedRedis(avoid_ports=(self.args.port, self.args.grpc_port))
             self.redis.start()
             return self.redis.url, RedisAuth(password=self.redis.password)
         url, auth = split_credentials(self.args.redis_url)

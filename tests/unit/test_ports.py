@@ -36,3 +36,25 @@ def test_no_free_port_in_the_range_raises_naming_it(monkeypatch):
     monkeypatch.setattr(ports, "port_is_free", lambda port, host="127.0.0.1": False)
     with pytest.raises(RuntimeError, match=r"^no free port found in 20000\.\.32767 on 127\.0\.0\.1$"):
         ports.free_port()
+
+
+def test_a_pick_never_takes_a_port_the_caller_is_about_to_bind(monkeypatch):
+    """pdserve up picks its embedded Redis's port before the router binds the ports it was
+    given (nothing listens there yet): that pick must skip them (it took a router's --grpc-port
+    once in CI: "Address already in use")."""
+    monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: 32768)
+    draws = iter([31727, 31727, 25000])
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(draws))
+    monkeypatch.setattr(ports, "port_is_free", lambda port, host="127.0.0.1": True)
+    assert ports.free_port(avoid={31727, 8000}) == 25000
+
+
+def test_the_embedded_redis_picks_around_the_ports_it_is_told_to_avoid(monkeypatch):
+    from pdserve import redis_server
+
+    seen = []
+    monkeypatch.setattr(redis_server, "free_port", lambda host, avoid=(): seen.append(set(avoid)) or 31000)
+    monkeypatch.setattr(redis_server.EmbeddedRedis, "_launch", lambda self, executable, port: None)
+    monkeypatch.setattr(redis_server, "bundled_redis_server", lambda: __import__("pathlib").Path(__file__))
+    redis_server.EmbeddedRedis(avoid_ports=(8000, 0, 31727)).start()
+    assert seen == [{8000, 31727}]  # 0 (any port) is nothing to avoid
