@@ -311,12 +311,12 @@ class ClusterSnapshot:
     def __post_init__(self) -> None:
         # Read several times by every request routed on this snapshot (the candidates, the
         # chosen workers' entries): worked out once here rather than scanned per call.
-        prefill = tuple(w for w in self.workers if w.serves_prefill and w.state == "serving")
-        decode = tuple(w for w in self.workers if w.serves_decode and w.state == "serving")
+        candidates = tuple(tuple(w for w in self.members(role) if w.state == "serving")
+                           for role in ("prefill", "decode"))
         by_id: dict[str, WorkerInfo] = {}
         for w in self.workers:
             by_id.setdefault(w.worker_id, w)
-        object.__setattr__(self, "_candidates", (prefill, decode))
+        object.__setattr__(self, "_candidates", candidates)
         object.__setattr__(self, "_by_id", by_id)
 
 

@@ -291,7 +291,7 @@ def test_without_the_otlp_exporter_installed_export_is_off_with_a_warning(caplog
         pytest.skip("the OTLP exporter is installed here")
 
 
-def test_a_recorded_timeline_is_built_when_first_read_or_at_once_for_subscribers():
+def test_a_recorded_timeline_is_built_when_first_read_or_at_once_for_subscribers(monkeypatch):
     clock, store = Clock(), TimelineStore()
     builds = []
     real_phases = TimelineRecorder._phases
@@ -300,21 +300,18 @@ def test_a_recorded_timeline_is_built_when_first_read_or_at_once_for_subscribers
         builds.append(self._request_id)
         return real_phases(self, e2e)
 
-    TimelineRecorder._phases = counting_phases  # type: ignore[method-assign]
-    try:
-        for rid in ("a", "b"):
-            recorder = TimelineRecorder(store, rid, MODEL, clock, lambda: 0.0)
-            clock.now += 0.01
-            recorder.finish(finish_reason="stop", path=None, prompt_tokens=0, completion_tokens=0, sequences=1)
-        assert builds == []  # nobody read them yet
-        assert store.get("a").e2e_ms == pytest.approx(10.0) and builds == ["a"]
-        assert store.get("a") is store.get("a") and builds == ["a"]  # built once
-        assert [t.request_id for t in store.recent(10)] == ["b", "a"] and builds == ["a", "b"]
-
-        seen = []
-        store.subscribe(seen.append)
-        recorder = TimelineRecorder(store, "c", MODEL, clock, lambda: 0.0)
+    monkeypatch.setattr(TimelineRecorder, "_phases", counting_phases)
+    for rid in ("a", "b"):
+        recorder = TimelineRecorder(store, rid, MODEL, clock, lambda: 0.0)
+        clock.now += 0.01
         recorder.finish(finish_reason="stop", path=None, prompt_tokens=0, completion_tokens=0, sequences=1)
-        assert [t.request_id for t in seen] == ["c"] and builds == ["a", "b", "c"]
-    finally:
-        TimelineRecorder._phases = real_phases  # type: ignore[method-assign]
+    assert builds == []  # nobody read them yet
+    assert store.get("a").e2e_ms == pytest.approx(10.0) and builds == ["a"]
+    assert store.get("a") is store.get("a") and builds == ["a"]  # built once
+    assert [t.request_id for t in store.recent(10)] == ["b", "a"] and builds == ["a", "b"]
+
+    seen = []
+    store.subscribe(seen.append)
+    recorder = TimelineRecorder(store, "c", MODEL, clock, lambda: 0.0)
+    recorder.finish(finish_reason="stop", path=None, prompt_tokens=0, completion_tokens=0, sequences=1)
+    assert [t.request_id for t in seen] == ["c"] and builds == ["a", "b", "c"]
