@@ -27,10 +27,9 @@ import redis.asyncio as aredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from engine.kv_cache.hashing import BlockHash
 from router.cluster.keys import ClusterSnapshot, kv_events_key
 from router.routing.policy import RouteRequest
-from router.routing.prefix_index import BlockEvent, PrefixIndex, prompt_block_hashes, route_request
+from router.routing.prefix_index import BlockEvent, PrefixIndex, PromptHashes, as_prompt_hashes, route_request
 from router.cluster.redis_settings import RedisAuth, async_client, redact_url
 
 __all__ = ["KVEventReader"]
@@ -197,27 +196,27 @@ class KVEventReader:
         return self.index.prune(snapshot)
 
     def route_request(
-        self, prompt_token_ids: Sequence[int], max_tokens: int | None, snapshot: ClusterSnapshot
+        self, prompt_token_ids: Sequence[int] | PromptHashes, max_tokens: int | None, snapshot: ClusterSnapshot
     ) -> RouteRequest:
         """prune(snapshot), then the RouteRequest with each worker's cached leading blocks."""
         self.prune(snapshot)
         return route_request(prompt_token_ids, max_tokens, snapshot, self.index)
 
-    def note_routed(self, worker_ids: Sequence[str], prompt_token_ids: Sequence[int],
+    def note_routed(self, worker_ids: Sequence[str], prompt_token_ids: Sequence[int] | PromptHashes,
                     snapshot: ClusterSnapshot) -> None:
         """Expect these workers to hold the prompt's full blocks soon: a request was just sent
         there. Requests with the same prefix that arrive before the workers' own events then
         follow it (an optimistic entry; the workers' evictions and snapshots correct it). The
-        prompt is hashed once per block size."""
-        by_size: dict[int, tuple[BlockHash, ...]] = {}
+        prompt is hashed once per block size (not again where route_request's PromptHashes
+        hashed it)."""
+        prompt = as_prompt_hashes(prompt_token_ids)
         for worker_id in worker_ids:
             info = snapshot.by_id(worker_id)
             if info is None:
                 continue
-            if info.block_size not in by_size:
-                by_size[info.block_size] = tuple(prompt_block_hashes(prompt_token_ids, info.block_size))
-            if by_size[info.block_size]:
-                self.index.apply(BlockEvent(worker_id, info.incarnation, "stored", by_size[info.block_size]))
+            hashes = prompt.all(info.block_size)
+            if hashes:
+                self.index.apply(BlockEvent(worker_id, info.incarnation, "stored", hashes))
 
     CLOSE_TIMEOUT_S = 2.0
     """Bound on each shutdown step: a Redis client cancelled mid-read must not hang shutdown."""

@@ -47,6 +47,7 @@ from router.errors import InvalidRequest, Overloaded, WorkerFailure
 from router.routing.pd_request import (  # noqa: F401 (check_fits_capacity, plain_route_request: imported from here too)
     RouteRequestBuilder, _Admitted, _Placement, _Run, check_fits_capacity, plain_route_request)
 from router.routing.policy import RouteDecision, RouteRequest, prompt_blocks
+from router.routing.prefix_index import PromptHashes
 from router.routing.transfer_totals import LinkTotals, TransferTotals  # noqa: F401 (imported from here too)
 from router.routing.worker_calls import (
     WorkerSilent, WorkerTimeouts, decode_call_error, is_no_room, read_within, request_error)
@@ -148,8 +149,9 @@ class ClusterBackend:
             self.rejections["exceeds_kv_capacity"] += 1
             raise
         block_size = min((w.block_size for w in snapshot.decode_workers()), default=16)
+        hashes = PromptHashes(prompt)  # hashed once for every attempt and the note after
         admitted, queue_s = await self.admission.admit(
-            lambda: self._try_admit(request, trace), prompt_blocks(len(prompt), block_size))
+            lambda: self._try_admit(request, trace, hashes), prompt_blocks(len(prompt), block_size))
         trace.queue_s = queue_s
         return admitted, queue_s
 
@@ -245,11 +247,14 @@ class ClusterBackend:
         trace.route = RouteSummary(prefill, admitted.decode_id, d.reason, d.inputs, fallback)
         return RouteInfo(admitted.decode_id, prefill, d.reason, d.inputs, queue_s, fallback)
 
-    async def _try_admit(self, request: BackendRequest, trace: BackendTrace | None = None) -> _Admitted | None:
+    async def _try_admit(self, request: BackendRequest, trace: BackendTrace | None = None,
+                         hashes: PromptHashes | None = None) -> _Admitted | None:
         """One admission attempt on a fresh snapshot; None when no decode worker has room.
-        `trace` gets the successful attempt's reservation (its Decode call until the ticket)."""
+        `trace` gets the successful attempt's reservation (its Decode call until the ticket);
+        `hashes`: the prompt's block hashes as far as they were read before."""
         snapshot = self._with_own_load(await self._snapshot())
-        route = self._route_request(request.prompt_token_ids, request.params.max_tokens, snapshot)
+        hashes = hashes if hashes is not None else PromptHashes(request.prompt_token_ids)
+        route = self._route_request(hashes, request.params.max_tokens, snapshot)
         decision = self._choose(route, snapshot, self._rng)
         if decision is None:
             self.rejections["no_decode_worker"] += 1
@@ -265,10 +270,11 @@ class ClusterBackend:
             self.decisions[(decision.prefill_id or "-", admitted.decode_id)] += 1
             if local and snapshot.prefill_workers():
                 self.fallbacks["local_prefill"] += 1  # conditional disaggregation: counted, not silent
-            self._note_sent(request, route, admitted)
+            self._note_sent(request, hashes, route, admitted)
         return admitted
 
-    def _note_sent(self, request: BackendRequest, route: RouteRequest, admitted: _Admitted) -> None:
+    def _note_sent(self, request: BackendRequest, hashes: PromptHashes, route: RouteRequest,
+                   admitted: _Admitted) -> None:
         """Count the prefill this router just sent (until it returns) and expect both workers
         to cache the prompt, so the next requests see them before heartbeats and events do."""
         prefill_id = admitted.decision.prefill_id
@@ -278,7 +284,7 @@ class ClusterBackend:
             self._prefill_tokens[request.request_id] = (prefill_id, max(len(request.prompt_token_ids) - cached, 0))
         if self.kv_reader is not None:
             workers = [w for w in (prefill_id, admitted.decode_id) if w is not None]
-            self.kv_reader.note_routed(workers, request.prompt_token_ids, admitted.snapshot)
+            self.kv_reader.note_routed(workers, hashes, admitted.snapshot)
 
     def _with_own_load(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
         """The snapshot with each prefill worker's queue at least the prefill tokens this

@@ -12,14 +12,16 @@ from proto.pdserve.v1 import common_pb2, worker_pb2
 from router.cluster.state import ClusterSnapshot
 from router.errors import InvalidRequest
 from router.routing.policy import RouteDecision, RouteRequest
+from router.routing.prefix_index import PromptHashes
 from router.serving.backend import BackendRequest, RouteInfo, TokenDelta
 from router.serving.trace import BackendTrace
 
-RouteRequestBuilder = Callable[[tuple[int, ...], "int | None", ClusterSnapshot], RouteRequest]
-"""Builds a policy's view of a request (the prefix index fills in cached blocks)."""
+RouteRequestBuilder = Callable[[PromptHashes, "int | None", ClusterSnapshot], RouteRequest]
+"""Builds a policy's view of a request (the prefix index fills in cached blocks, reading the
+prompt's block hashes, which the PromptHashes keeps for the request's later readers)."""
 
 
-def plain_route_request(prompt: tuple[int, ...], max_tokens: int | None, snapshot: ClusterSnapshot) -> RouteRequest:
+def plain_route_request(prompt: PromptHashes, max_tokens: int | None, snapshot: ClusterSnapshot) -> RouteRequest:
     return RouteRequest(len(prompt), max_tokens)
 
 

@@ -35,7 +35,7 @@ __all__ = [
     "BlockEvent",
     "EventKind",
     "PrefixIndex",
-    "prompt_block_hashes",
+    "PromptHashes",
     "route_request",
 ]
 
@@ -300,16 +300,48 @@ class PrefixIndex:
             del self._holders[block_hash]
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[BlockHash]:
-    """hash_full_blocks, lazily: match() stops hashing at the first block nobody holds."""
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        yield parent
+class PromptHashes:
+    """One prompt's chained block hashes per block size, each hashed at most once and only as
+    far as read: the router reads them to route a request (match, which stops at the first
+    block nobody holds) and again to note where it sent it (every full block). A 2,000-token
+    prompt is ~0.2 ms of sha256 a pass."""
+
+    __slots__ = ("token_ids", "_hashed")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._hashed: dict[int, list[BlockHash]] = {}
+
+    def __len__(self) -> int:
+        """Prompt tokens."""
+        return len(self.token_ids)
+
+    def lazily(self, block_size: int) -> Iterator[BlockHash]:
+        """Every full block's hash in order, hashing only what a reader gets to."""
+        hashed = self._hashed.setdefault(block_size, [])
+        token_ids, i = self.token_ids, 0
+        while True:
+            if i == len(hashed):
+                start = i * block_size
+                if start + block_size > len(token_ids):
+                    return
+                hashed.append(hash_block(hashed[-1] if hashed else ROOT_HASH, token_ids[start : start + block_size]))
+            yield hashed[i]
+            i += 1
+
+    def all(self, block_size: int) -> tuple[BlockHash, ...]:
+        """Every full block's hash in order."""
+        for _ in self.lazily(block_size):
+            pass
+        return tuple(self._hashed[block_size])
+
+
+def as_prompt_hashes(prompt: Sequence[int] | PromptHashes) -> PromptHashes:
+    return prompt if isinstance(prompt, PromptHashes) else PromptHashes(prompt)
 
 
 def route_request(
-    prompt_token_ids: Sequence[int],
+    prompt_token_ids: Sequence[int] | PromptHashes,
     max_tokens: int | None,
     snapshot: ClusterSnapshot,
     index: PrefixIndex,
@@ -318,20 +350,22 @@ def route_request(
     worker in the snapshot, the leading prompt blocks it holds, counted in its own block size
     (the prompt is hashed once per distinct block size; sizes never share hashes), and
     `held_blocks`: how many blocks of any prompt the index holds for each worker. Entries the
-    index holds for another incarnation than the heartbeat's count as nothing."""
+    index holds for another incarnation than the heartbeat's count as nothing. A PromptHashes
+    keeps what it hashed for the next reader (note_routed)."""
+    prompt = as_prompt_hashes(prompt_token_ids)
     holdings = index.holdings()
     current = {w.worker_id: w.incarnation for w in snapshot.workers}
     held = {worker_id: count for worker_id, (incarnation, count) in holdings.items()
             if count and current.get(worker_id) == incarnation}
     cached: dict[str, int] = {}
     for block_size in sorted({w.block_size for w in snapshot.workers}):
-        matched = index.match(prompt_block_hashes(prompt_token_ids, block_size))
+        matched = index.match(prompt.lazily(block_size))
         for w in snapshot.workers:
             count = matched.get(w.worker_id, 0)
             if w.block_size == block_size and count and w.worker_id in held:
                 cached[w.worker_id] = count
     return RouteRequest(
-        num_prompt_tokens=len(prompt_token_ids),
+        num_prompt_tokens=len(prompt),
         max_tokens=max_tokens,
         cached_blocks=tuple(sorted(cached.items())),
         held_blocks=tuple(sorted(held.items())),

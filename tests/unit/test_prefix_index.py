@@ -232,3 +232,37 @@ def test_a_routed_request_makes_its_workers_match_its_prompt_before_any_event():
     # p0 holds 2 blocks of 16, d0 5 blocks of 8 (each in its own block size); p1 nothing.
     assert route_request(prompt, 4, snap, reader.index).cached_blocks == (("d0", 5), ("p0", 2))
     assert reader.index.blocks_of("p0") == frozenset(hash_full_blocks(prompt, 16))
+
+
+def test_a_prompts_hashes_are_computed_once_and_only_as_far_as_read(monkeypatch):
+    from router.routing import prefix_index
+
+    calls = []
+    real = prefix_index.hash_block
+    monkeypatch.setattr(prefix_index, "hash_block", lambda parent, ids: calls.append(len(ids)) or real(parent, ids))
+    hashes = prefix_index.PromptHashes(PROMPT + [7])
+    index = PrefixIndex()
+    index.apply(event("d0", "stored", H[:1]))
+    assert index.match(hashes.lazily(16)) == {"d0": 1}
+    assert calls == [16, 16]  # the match stopped at the first block nobody holds
+    assert hashes.all(16) == tuple(H) and len(calls) == 4  # the rest, once
+    assert hashes.all(16) == tuple(H) and list(hashes.lazily(16)) == H and len(calls) == 4
+    assert hashes.all(32) == tuple(hash_full_blocks(PROMPT, 32)) and len(calls) == 6  # each size apart
+    assert len(hashes) == 65 and prefix_index.PromptHashes([1, 2]).all(16) == ()
+
+
+def test_routing_then_noting_a_request_hashes_its_prompt_once(monkeypatch):
+    from router.cluster.kv_event_reader import KVEventReader
+    from router.routing import prefix_index
+
+    reader = KVEventReader("redis://127.0.0.1:1/0", "test")  # no I/O: only the index is used
+    snap = snapshot(worker("p0"), worker("d0"))
+    reader.note_routed(["d0"], PROMPT, snap)  # d0 holds the whole prompt: routing reads every block
+    calls = []
+    real = prefix_index.hash_block
+    monkeypatch.setattr(prefix_index, "hash_block", lambda parent, ids: calls.append(1) or real(parent, ids))
+    hashes = prefix_index.PromptHashes(PROMPT)
+    assert reader.route_request(hashes, 4, snap).cached_blocks == (("d0", 4),)
+    reader.note_routed(["p0", "d0"], hashes, snap)
+    assert len(calls) == 4
+    assert reader.index.blocks_of("p0") == frozenset(H)
