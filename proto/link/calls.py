@@ -102,6 +102,18 @@ class LinkStreamCall(Call):
                 if timer is not None:
                     timer.cancel()
 
+    def arrival(self) -> asyncio.Future:
+        """A future done once a response has been received or the call has ended (done at once
+        when one is there already), so that a read then will not wait: a read can be raced
+        against other work without a task of its own. It takes the place of a read's wait (one
+        reader at a time); a read made later takes it back, and the future is then left as it is."""
+        arrived = asyncio.get_running_loop().create_future()
+        if self._messages or self.status is not None:
+            arrived.set_result(None)
+        else:
+            self._waiter = arrived
+        return arrived
+
     def read_nowait(self):
         """The next response if it has been received already, else None (without waiting, and
         never the end: read() tells that). A gRPC call has no such method."""

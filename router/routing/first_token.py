@@ -64,7 +64,10 @@ async def race_first_token(prefill: Awaitable[TokenDelta | None], stream, settle
     task = asyncio.ensure_future(prefill)
     if not streams_first:  # an older decode worker: the reply is the only source
         return FirstToken(await task)
-    read = asyncio.ensure_future(stream.read())
+    # A worker-link stream says when a read will not wait (no task for the read); a gRPC
+    # stream's read runs as a task, which the next read then continues.
+    arrival = getattr(stream, "arrival", None)
+    read = arrival() if arrival is not None else asyncio.ensure_future(stream.read())
     try:
         await asyncio.wait({task, read}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
@@ -72,7 +75,7 @@ async def race_first_token(prefill: Awaitable[TokenDelta | None], stream, settle
         read.cancel()
         raise
     if read.done():
-        return _stream_first(read, task, settled, to_delta)
+        return await _stream_first(stream, read, task, settled, to_delta)
     try:
         first = task.result()
     except BaseException:
@@ -81,13 +84,15 @@ async def race_first_token(prefill: Awaitable[TokenDelta | None], stream, settle
     if first is None:  # nothing was sent: the stream will bring no token
         read.cancel()
         return FirstToken(None)
-    return FirstToken(first, pending_read=read, skip=1)
+    return FirstToken(first, pending_read=read if isinstance(read, asyncio.Task) else None, skip=1)
 
 
-def _stream_first(read: asyncio.Task, prefill: asyncio.Task, settled: asyncio.Event,
-                  to_delta: Callable[[object], TokenDelta]) -> FirstToken:
+async def _stream_first(stream, read: asyncio.Future, prefill: asyncio.Task, settled: asyncio.Event,
+                        to_delta: Callable[[object], TokenDelta]) -> FirstToken:
+    """The stream spoke first: `read` is the read task, or the link's arrival (the read then
+    returns without waiting)."""
     try:
-        event = read.result()
+        event = read.result() if isinstance(read, asyncio.Task) else await stream.read()
     except BaseException:
         prefill.cancel()
         raise

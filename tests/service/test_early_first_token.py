@@ -1,5 +1,5 @@
 """The router's side of early first tokens (issue 16 item 4), against scripted in-process gRPC
-workers (no model): the Prefill call runs while the router reads the Decode stream, and the
+workers (no model), over gRPC and over the worker link: the Prefill call runs while the router reads the Decode stream, and the
 client gets the first token from whichever brings it first, exactly once (by position); a
 prefill that fails after the stream brought the token changes nothing; an older decode worker
 (no first token on its stream) still works. Each delta's sample times travel with it."""
@@ -10,8 +10,11 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from engine.sampling_params import SamplingParams
+from proto.link import LinkServer
+from proto.link.methods import ABORT, DECODE, PREFILL
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.routing.admission import AdmissionQueue, AdmissionSettings
 from router.routing.cluster_backend import ClusterBackend
@@ -23,6 +26,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 TOKENS = (7, 7, 9)  # a repeated token: a dedupe by value would lose one
 SAMPLED = (1000.0, 1000.5, 1001.0)
 NBYTES = 4096
+SECRET = b"early-first-token-secret"
+TRANSPORTS = pytest.mark.parametrize("link", [False, True], ids=["grpc", "link"])
 
 
 class Decode(worker_pb2_grpc.DecodeWorkerServicer):
@@ -97,18 +102,22 @@ class Prefill(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(aborted=True)
 
 
-def _info(worker_id: str, role: str, port: int) -> WorkerInfo:
+def _info(worker_id: str, role: str, port: int, link_port: int | None = None) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{port}", metrics_address="",
+                      link_address="" if link_port is None else f"127.0.0.1:{link_port}",
                       incarnation="i1", block_size=16, total_blocks=1000, free_blocks=1000, reserved_blocks=0,
                       cached_blocks=0, num_running=0, num_waiting=0, queued_prefill_tokens=0,
                       max_model_len=4096, updated_at=time.time())
 
 
 class Cluster:
-    """One decode double and two prefill doubles on real gRPC servers, and a ClusterBackend."""
+    """One decode double and two prefill doubles on real gRPC servers (and, with `link`, on
+    worker links too, which the router's calls then take), and a ClusterBackend."""
 
     def __init__(self, early: bool = True, fail: bool = False, first_after_reply: bool = False,
-                 rest_before_reply: bool = False, expire: bool = False) -> None:
+                 rest_before_reply: bool = False, expire: bool = False, link: bool = False) -> None:
+        self.link = link
+        self.links: list[LinkServer] = []
         self.kv_in, self.replied, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.decode = Decode(self.kv_in, self.replied, early, first_after_reply, rest_before_reply, expire)
         self.prefill = Prefill(self.kv_in, self.replied, self.release, fail)
@@ -119,8 +128,10 @@ class Cluster:
         d = await self._serve(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.decode)
         p1 = await self._serve(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.prefill)
         p2 = await self._serve(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.spare)
-        snapshot = ClusterSnapshot(workers=(_info("d1", "decode", d), _info("p1", "prefill", p1),
-                                            _info("p2", "prefill", p2)), taken_at=time.monotonic(), stale=False)
+        links = [await self._link(self.decode, (DECODE, ABORT)), await self._link(self.prefill, (PREFILL, ABORT)),
+                 await self._link(self.spare, (PREFILL, ABORT))] if self.link else [None] * 3
+        snapshot = ClusterSnapshot(workers=(_info("d1", "decode", d, links[0]), _info("p1", "prefill", p1, links[1]),
+                                            _info("p2", "prefill", p2, links[2])), taken_at=time.monotonic(), stale=False)
 
         async def snap():
             return snapshot
@@ -128,8 +139,14 @@ class Cluster:
         def choose(route, snap, rng):
             return RouteDecision("p1", "d1", "scripted", (("score", 1.0),))
 
-        self.backend = ClusterBackend(snap, choose, admission=AdmissionQueue(AdmissionSettings()))
+        self.backend = ClusterBackend(snap, choose, admission=AdmissionQueue(AdmissionSettings()),
+                                      secret=SECRET if self.link else None)
         return self.backend
+
+    async def _link(self, servicer, methods) -> int:
+        server = LinkServer(SECRET, servicer, methods, "127.0.0.1", 0)
+        self.links.append(server)
+        return await server.start()
 
     async def _serve(self, add, servicer) -> int:
         server = grpc.aio.server()
@@ -143,6 +160,8 @@ class Cluster:
         await self.backend.close()
         for server in self.servers:
             await server.stop(None)
+        for link in self.links:
+            await link.stop(1)
 
 
 async def _deltas(stream, count: int | None = None):
@@ -158,9 +177,10 @@ def _request(params: SamplingParams = PARAMS) -> BackendRequest:
     return BackendRequest("r1", tuple(range(1, 33)), params)
 
 
-def test_the_first_token_comes_from_the_decode_stream_before_the_prefill_reply_returns():
+@TRANSPORTS
+def test_the_first_token_comes_from_the_decode_stream_before_the_prefill_reply_returns(link):
     async def run():
-        cluster = Cluster(early=True)
+        cluster = Cluster(early=True, link=link)
         backend = await cluster.start()
         stream = backend.generate(_request())
         first = await asyncio.wait_for(anext(stream), 10)
@@ -178,7 +198,8 @@ def test_the_first_token_comes_from_the_decode_stream_before_the_prefill_reply_r
     # The double sets `replied` before its reply reaches the router, so the last chunk may come
     # while the reply is still out: then its token goes at once and the finish follows in a
     # delta of its own (split_final). Both orders are right; the tokens and times are the same.
-    assert [d.sampled_at for d in rest if d.token_ids] == [(1000.5,), (1001.0,)]
+    # (Over the link, chunks received behind one read are joined: join_queued.)
+    assert [t for d in rest for t in d.sampled_at] == [1000.5, 1001.0]
     assert rest[-1].finish_reason == "length" and all(d.finish_reason is None for d in rest[:-1])
     assert cluster.decode.requests[0].stream_first_token is True
     trace = first.trace
@@ -208,9 +229,10 @@ def test_the_last_token_reaches_the_client_before_the_prefill_reply_and_only_the
         ((), "length", (), None, None)]
 
 
-def test_a_prefill_reply_first_is_streamed_once_and_the_streams_copy_is_dropped_by_position():
+@TRANSPORTS
+def test_a_prefill_reply_first_is_streamed_once_and_the_streams_copy_is_dropped_by_position(link):
     async def run():
-        cluster = Cluster(early=True, first_after_reply=True)
+        cluster = Cluster(early=True, first_after_reply=True, link=link)
         backend = await cluster.start()
         cluster.release.set()
         deltas = await asyncio.wait_for(_deltas(backend.generate(_request())), 10)
@@ -219,14 +241,16 @@ def test_a_prefill_reply_first_is_streamed_once_and_the_streams_copy_is_dropped_
 
     cluster, deltas = asyncio.run(run())
     assert cluster.decode.first_sent.is_set()  # the stream did send its copy of TOKENS[0]
-    assert [d.token_ids for d in deltas] == [(7,), (7,), (9,)]
-    assert [d.sampled_at for d in deltas] == [(1000.0,), (1000.5,), (1001.0,)]
+    assert deltas[0].token_ids == (7,)  # the reply's, then the stream's from position 1 on
+    assert [t for d in deltas for t in d.token_ids] == [7, 7, 9]  # (the link may join chunks)
+    assert [t for d in deltas for t in d.sampled_at] == [1000.0, 1000.5, 1001.0]
     assert deltas[0].trace.prefill["first_token_from"] == "prefill_reply"
 
 
-def test_a_prefill_failing_after_the_streams_first_token_is_harmless_and_tries_no_other_worker():
+@TRANSPORTS
+def test_a_prefill_failing_after_the_streams_first_token_is_harmless_and_tries_no_other_worker(link):
     async def run():
-        cluster = Cluster(early=True, fail=True)
+        cluster = Cluster(early=True, fail=True, link=link)
         backend = await cluster.start()
         stream = backend.generate(_request())
         first = await asyncio.wait_for(anext(stream), 10)
@@ -275,9 +299,10 @@ def test_a_request_with_logprobs_does_not_ask_for_the_first_token_on_the_stream(
     assert [d.token_ids for d in deltas] == [(7,), (7,), (9,)]
 
 
-def test_a_client_leaving_while_the_prefill_runs_cancels_it_and_aborts_both_workers():
+@TRANSPORTS
+def test_a_client_leaving_while_the_prefill_runs_cancels_it_and_aborts_both_workers(link):
     async def run():
-        cluster = Cluster(early=True)
+        cluster = Cluster(early=True, link=link)
         backend = await cluster.start()
         stream = backend.generate(_request())
         first = await asyncio.wait_for(anext(stream), 10)
@@ -310,19 +335,20 @@ def test_every_prefill_failing_before_a_token_falls_back_to_the_decode_worker_an
     assert list(first.trace.marks) == ["backend_start", "reserve_start", "ticket", "first_token"]
 
 
-def test_a_ticket_the_decode_worker_expired_before_the_kv_came_falls_back_to_its_own_prefill():
+@TRANSPORTS
+def test_a_ticket_the_decode_worker_expired_before_the_kv_came_falls_back_to_its_own_prefill(link):
     """The stream's tokenless "abort" (the ticket's deadline passed while the prefill was still
     queued) is no first token: the client once got a 200 stream with no token and finish_reason
     abort. Now the Prefill call is cancelled and the decode worker prefills the request itself."""
     async def run():
-        cluster = Cluster(early=True, expire=True)  # the prefill never replies (release unset)
+        cluster = Cluster(early=True, expire=True, link=link)  # the prefill never replies (release unset)
         backend = await cluster.start()
         deltas = await asyncio.wait_for(_deltas(backend.generate(_request())), 10)
         await cluster.stop()
         return cluster, backend, deltas
 
     cluster, backend, deltas = asyncio.run(run())
-    assert [d.token_ids for d in deltas] == [(7,), (7,), (9,)]
+    assert [t for d in deltas for t in d.token_ids] == [7, 7, 9]  # (the link may join chunks)
     assert deltas[-1].finish_reason == "length"
     assert [r.local_prefill for r in cluster.decode.requests] == [False, True]
     assert dict(backend.fallbacks) == {"prefill_failed": 1}

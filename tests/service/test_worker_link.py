@@ -445,3 +445,32 @@ def test_a_bounded_read_times_out_without_ending_the_call_and_an_unbounded_one_s
         await server.stop(1)
 
     run(scenario)
+
+
+def test_arrival_is_done_once_a_read_would_not_wait_and_a_read_after_it_takes_over():
+    async def scenario():
+        server, _, address = await started()
+        async with LinkChannel(address, SECRET) as channel:
+            call = LinkDecodeStub(channel).Decode(decode_request("r12", 2))
+            arrived = call.arrival()
+            assert not arrived.done()  # nothing received yet
+            await asyncio.wait_for(arrived, 5)
+            assert (await call.read()).ticket.ticket_id == 7  # without waiting
+            for _ in range(200):
+                if call.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert call.arrival().done()  # tokens queued: done at once
+            assert [(await call.read()).tokens.token_ids[0] for _ in range(2)] == [100, 101]
+            assert call.arrival().done()  # the end: a read returns it without waiting
+            assert await call.read() is grpc.aio.EOF
+            hung = LinkDecodeStub(channel).Decode(decode_request("hang3", 2))
+            assert (await hung.read(5)).ticket.ticket_id == 7
+            stale = hung.arrival()
+            with pytest.raises(TimeoutError):  # a read takes the wait over from the arrival
+                await hung.read(0.05)
+            assert not stale.done()
+            assert hung.cancel()
+        await server.stop(1)
+
+    run(scenario)
