@@ -7,6 +7,12 @@ vLLM, each step decodes a short window twice: the already-emitted tokens
 The difference is the new text. When it ends in U+FFFD (an unfinished character), nothing is
 emitted and the offsets stay, so the next token completes the character; if none does (the
 request ends), the unfinished character is dropped, never emitted as U+FFFD.
+
+Where the installed `tokenizers` has DecodeStream (0.22+), each step runs there instead: the
+same window, offsets and rule in one backend call a token, with the emitted text kept rather
+than decoded again (~0.8 against ~2.2 us a token for SmolLM2's vocabulary). It differs in one
+case only, a decoder that rewrites text it already gave (no byte-level BPE does): there the
+step that finds the emitted text changed is decoded here, and every step after it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(self._num_prompt - INITIAL_CONTEXT_TOKENS, 0)
         self._read_offset = self._num_prompt
         self._text_parts: list[str] = []
+        self._stream = tokenizer.stream_decoder(self._ids[self._prefix_offset :], skip_special_tokens)
 
     @property
     def text(self) -> str:
@@ -92,6 +99,17 @@ class IncrementalDetokenizer:
         return prefix_text, decode(window, skip_special_tokens=skip)
 
     def _step(self) -> str:
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._ids[-1])
+            except Exception:  # the window's text no longer starts with what was emitted
+                self._stream = None
+            else:
+                if text is None:
+                    return ""
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+                return text
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""

@@ -23,6 +23,29 @@ from engine.tokenizer.hf_dir import load_hf_dir
 from engine.tokenizer.meta import TokenizerMeta, special_ids
 
 
+try:
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # tokenizers < 0.21
+    _DecodeStream = None
+
+
+class StreamDecoder:
+    """One request's incremental decode in the backend (see Tokenizer.stream_decoder).
+
+    `step(id)` appends one id and returns the text it completes, or None while the window's
+    text is no longer than what was emitted or ends in U+FFFD: the rule IncrementalDetokenizer
+    applies, with the same offsets. Raises when the window's text no longer starts with the
+    emitted text (a decoder that rewrote it); its caller then decodes that step itself."""
+
+    __slots__ = ("_stream", "_backend")
+
+    def __init__(self, stream: Any, backend: BackendTokenizer) -> None:
+        self._stream, self._backend = stream, backend
+
+    def step(self, token_id: int) -> str | None:
+        return self._stream.step(self._backend, token_id)
+
+
 class Tokenizer:
     """Encodes, decodes and renders chat prompts for one model."""
 
@@ -83,6 +106,22 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form complete UTF-8 characters come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, context_ids: Sequence[int], skip_special_tokens: bool = True) -> StreamDecoder | None:
+        """The backend's incremental decoder primed with `context_ids` (tokenizers' DecodeStream:
+        one call a token, where decoding the window twice from Python was two), or None where
+        the installed `tokenizers` has none (before 0.22), and where the context's text ends
+        inside a character: a stream primed so treats the context as not yet emitted and would
+        give its text with the first token. See IncrementalDetokenizer."""
+        if _DecodeStream is None:
+            return None
+        if context_ids and self.decode(context_ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            return None
+        try:
+            stream = _DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except TypeError:  # a DecodeStream that cannot be primed (tokenizers 0.21)
+            return None
+        return StreamDecoder(stream, self._backend)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """Vocabulary spelling of each id (byte-level alphabet for BPE, e.g. "Ġworld").

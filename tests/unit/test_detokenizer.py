@@ -120,3 +120,71 @@ def test_streamed_text_equals_full_decode_for_every_fixture_string(
         if (streamed, held_back) != (tok.decode(ids, skip_special_tokens=skip_special_tokens), ""):
             mismatches.append(text)
     assert mismatches == []
+
+
+def _window_only(tok: Tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(tok, "stream_decoder", lambda *args, **kwargs: None)
+
+
+def _deltas(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool, sizes: list[int]) -> tuple[list[str], str]:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    out, at = [], 0
+    for size in sizes:
+        out.append(detok.add(ids[at : at + size]))
+        at += size
+    return out, detok.flush()
+
+
+def _same_deltas_both_ways(tok: Tokenizer, cases, monkeypatch) -> list:
+    streamed = [_deltas(tok, *case) for case in cases]
+    with monkeypatch.context() as m:
+        _window_only(tok, m)
+        windowed = [_deltas(tok, *case) for case in cases]
+    return [case for case, a, b in zip(cases, streamed, windowed, strict=True) if a != b]
+
+
+def _random_cases(vocab: int, specials: list[int], count: int, seed: int) -> list:
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for k in range(count):
+        pick = lambda: rng.choice(specials) if specials and rng.random() < 0.05 else rng.randrange(vocab)  # noqa: E731
+        prompt = [pick() for _ in range(rng.randrange(0, 9))]
+        ids = [pick() for _ in range(rng.randrange(1, 40))]
+        sizes, left = [], len(ids)
+        while left:
+            sizes.append(min(left, rng.choice([1, 1, 1, 2, 5])))
+            left -= sizes[-1]
+        cases.append((prompt, ids, k % 2 == 0, sizes))
+    return cases
+
+
+def test_the_backends_stream_gives_the_deltas_of_the_window_decode_on_random_ids(tok, monkeypatch):
+    """Where tokenizers has DecodeStream each step runs there (module docstring): the deltas
+    and the flush must be those of the window decode, token for token, specials included."""
+    assert tok.stream_decoder([1, 2]) is not None  # the installed tokenizers has it: both paths run
+    cases = _random_cases(tok.vocab_size, tok.all_special_ids, 400, seed=7)
+    cases += [([], GRINNING + SPACE_NIHON, True, [1] * 7), ([5], GRINNING[:2], True, [2])]
+    assert _same_deltas_both_ways(tok, cases, monkeypatch) == []
+
+
+def test_a_byte_fallback_vocabulary_gives_the_same_deltas_both_ways(monkeypatch):
+    """A Llama-2 style tokenizer (SentencePiece pieces, <0xNN> byte fallback, the decoder that
+    strips the first space): its decoder rewrites byte runs, the case the stream hands back."""
+    from tokenizers import Tokenizer as BackendTokenizer, decoders, models
+
+    from engine.tokenizer.meta import TokenizerMeta
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [
+        "▁", "▁the", "▁a", "b", "c", "▁日", "本", "é", "▁é", "ab", "▁c"]
+    backend = BackendTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], byte_fallback=True,
+                                          unk_token="<unk>"))
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = Tokenizer(backend, TokenizerMeta(1, 2, frozenset({2}), None, ()))
+    cases = _random_cases(len(pieces), [0, 1, 2], 400, seed=11)
+    utf8 = [3 + b for b in "é日".encode()]  # whole characters as byte tokens, then cut ones
+    cases += [([1], utf8, True, [1] * len(utf8)), ([], utf8[:-1] + [259], False, [1] * len(utf8))]
+    assert _same_deltas_both_ways(tok, cases, monkeypatch) == []
