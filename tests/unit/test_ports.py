@@ -58,3 +58,17 @@ def test_the_embedded_redis_picks_around_the_ports_it_is_told_to_avoid(monkeypat
     monkeypatch.setattr(redis_server, "bundled_redis_server", lambda: __import__("pathlib").Path(__file__))
     redis_server.EmbeddedRedis(avoid_ports=(8000, 0, 31727)).start()
     assert seen == [{8000, 31727}]  # 0 (any port) is nothing to avoid
+
+
+def test_the_ray_launchers_redis_actor_picks_around_the_routers_ports_too(monkeypatch):
+    """The same race under `--launcher ray`: its Redis actor starts before the router binds."""
+    pytest.importorskip("ray", reason="the Ray launcher needs pdserve[ray]")
+    from pdserve import redis_server
+    from pdserve.launchers.ray import actors
+
+    made = []
+    monkeypatch.setattr(redis_server, "EmbeddedRedis", lambda **kwargs: made.append(kwargs))
+    monkeypatch.setattr(actors, "_configure_logging", lambda *args: None)
+    actor = actors.RedisActor.__ray_metadata__.modified_class  # the class under Ray's wrapper
+    actor.__init__(object.__new__(actor), "127.0.0.1", (8000, 50051))
+    assert made == [{"host": "127.0.0.1", "avoid_ports": (8000, 50051)}]

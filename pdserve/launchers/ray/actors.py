@@ -171,11 +171,14 @@ ACTOR_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "router": Rou
 class RedisActor:
     """The embedded Redis of a Ray-launched cluster, on the node this actor is placed on."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, avoid_ports: tuple[int, ...] = ()) -> None:
+        """avoid_ports: what its free port pick must not take (the router's --port and
+        --grpc-port, bound only after Redis is up; the router may be on this node)."""
         _configure_logging([], "redis", None)
         from pdserve.redis_server import EmbeddedRedis
 
-        self._redis = EmbeddedRedis(host=ray.util.get_node_ip_address() if host == "node" else host)
+        self._redis = EmbeddedRedis(host=ray.util.get_node_ip_address() if host == "node" else host,
+                                    avoid_ports=avoid_ports)
 
     def __repr__(self) -> str:
         return "redis"

@@ -142,7 +142,8 @@ class RayCluster(LocalCluster):
     def _redis(self) -> tuple[str, RedisAuth]:
         if self.args.redis_url is not None:
             return super()._redis()
-        handle = RedisActor.options(name="redis", scheduling_strategy=self._here()).remote(self.bind)
+        handle = RedisActor.options(name="redis", scheduling_strategy=self._here()).remote(
+            self.bind, (self.args.port, self.args.grpc_port))
         self.redis = RemoteRedis(handle)
         return self.redis.url, RedisAuth(password=self.redis.password)
 
