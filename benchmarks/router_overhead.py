@@ -54,6 +54,7 @@ from benchmarks.router_peers import (  # noqa: E402
     Started,
     direct_http_path,
     http_floor_path,
+    process_cpu_s,
     start_rust_router,
     stop,
 )
@@ -162,6 +163,12 @@ class Doubles:
     """(prefill, decode) worker link addresses."""
     http: tuple[str, str]
     """(prefill, decode) base URLs."""
+    pids: tuple[int, int] = (0, 0)
+    """(pdserve's doubles, the HTTP doubles) processes."""
+
+    def cpu_s(self, direct: str) -> float:
+        """CPU seconds so far of the doubles a router with this direct path calls."""
+        return process_cpu_s(self.pids[1] if direct == "http" else self.pids[0])
 
 
 async def measure_all(args, routers: list[Started], doubles: Doubles, tokenizer) -> list[Measured]:
@@ -213,14 +220,15 @@ async def measure_round(args, routers: list[Started], doubles: Doubles, prompts:
     for router in routers:
         if warm:
             await router_path(router, warm, c)
-        run = await router_path(router, timed, c)
+        run = await router_path(router, timed, c, lambda: doubles.cpu_s(router.direct))
         runs[router.name].append(run)
         print(f"  {router.name} at {c} in flight: {run.req_per_s:.1f} req/s, p50 {run.percentile_ms(50):.2f} ms "
               f"(direct {direct[router.direct][-1].percentile_ms(50):.2f} ms)", flush=True)
 
 
 HEADERS = ["router", "concurrency", "req/s", "direct req/s", "p50 ms", "direct p50 ms", "added p50 ms",
-           "p99 ms", "direct p99 ms", "added p99 ms", "router CPU %", "router CPU ms/req", "client CPU %", "failed"]
+           "p99 ms", "direct p99 ms", "added p99 ms", "router CPU %", "router CPU ms/req", "doubles CPU ms/req",
+           "client CPU %", "failed"]
 
 
 def table_rows(results: list[Measured]) -> list[list[str]]:
@@ -233,7 +241,7 @@ def table_rows(results: list[Measured]) -> list[list[str]]:
             f"{r.percentile_ms(50) - d.percentile_ms(50):.2f}", f"{r.percentile_ms(99):.2f}",
             f"{d.percentile_ms(99):.2f}", f"{r.percentile_ms(99) - d.percentile_ms(99):.2f}",
             f"{100 * r.router_cpu_s / r.seconds:.0f}", f"{1e3 * r.router_cpu_s / max(1, len(r.latencies_s)):.2f}",
-            f"{100 * r.client_cpu_s / r.seconds:.0f}",
+            f"{1e3 * r.doubles_cpu_s / max(1, len(r.latencies_s)):.2f}", f"{100 * r.client_cpu_s / r.seconds:.0f}",
             f"{r.failed}/{d.failed}",
         ])
     return rows
@@ -262,6 +270,10 @@ def goal_lines(results: list[Measured]) -> list[str]:
                 lines.append(f"{ours} added p50 at {low} in flight beyond the client's own streamed HTTP request: "
                              f"{added - floor:.2f} ms (that request alone, straight to the instant HTTP double: "
                              f"{floor:.2f} ms; {ours}'s direct path makes none, the Rust routers' makes two)")
+    spent = [f"{m.router} {cpu_per_request_ms(m.run):.2f}" for m in results if m.concurrency == top]
+    if spent:
+        lines.append(f"CPU per request at {top} in flight, router + doubles + client (what the shared cores "
+                     f"spend per request, in ms): {', '.join(spent)}")
     if ("pdserve", top) in at and ("pdserve-grpc", top) in at:
         a, b = at["pdserve", top], at["pdserve-grpc", top]
         cpu = [1e3 * m.run.router_cpu_s / max(1, len(m.run.latencies_s)) for m in (a, b)]
@@ -269,6 +281,10 @@ def goal_lines(results: list[Measured]) -> list[str]:
                      f"{a.run.req_per_s / b.run.req_per_s:.2f}x{round_spread(a, b)}; router CPU per request "
                      f"{cpu[0]:.2f} vs {cpu[1]:.2f} ms")
     return lines
+
+
+def cpu_per_request_ms(run: PathRun) -> float:
+    return 1e3 * (run.router_cpu_s + run.doubles_cpu_s + run.client_cpu_s) / max(1, len(run.latencies_s))
 
 
 def round_spread(ours: Measured, peer: Measured) -> str:
@@ -296,7 +312,9 @@ def method_lines(args, skipped: list[str]) -> list[str]:
         "latency: send to last token; added = router path - its direct path at that percentile; "
         "req/s = requests / wall seconds; router CPU % = the router's processes' CPU over its run "
         "(100 = one core); router CPU ms/req = the same CPU per request served (the figure least moved by other "
-        "load on the machine); client CPU % = this process over the same run; failed = router/direct.",
+        "load on the machine); doubles CPU ms/req = the CPU of the doubles process that router calls, per "
+        "request (pdserve's: instant_workers.py; the Rust routers': instant_http_workers.py); client CPU % = "
+        "this process over the same run; failed = router/direct.",
         f"usable cores: {len(os.sched_getaffinity(0))}; client, routers and doubles share them. "
         "Load average (1/5/15 min) at the end: " + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + ".",
     ]
@@ -338,7 +356,8 @@ def start_doubles(stack: contextlib.ExitStack, redis_url: str, tmp: Path) -> Dou
     stack.callback(stop, http_doubles)
     prefill, decode, prefill_link, decode_link = _wait_for_file(grpc_ready, grpc_doubles, "instant doubles").split()
     return Doubles((prefill, decode), (prefill_link, decode_link),
-                   tuple(_wait_for_file(http_ready, http_doubles, "instant HTTP doubles").split()))
+                   tuple(_wait_for_file(http_ready, http_doubles, "instant HTTP doubles").split()),
+                   (grpc_doubles.pid, http_doubles.pid))
 
 
 def start_routers(stack: contextlib.ExitStack, args, redis_url: str, doubles: Doubles, tmp: Path,

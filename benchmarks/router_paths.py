@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -31,6 +32,8 @@ class PathRun:
     seconds: float
     client_cpu_s: float
     router_cpu_s: float
+    doubles_cpu_s: float = 0.0
+    """CPU seconds of the doubles the path called (router paths only; 0 where not measured)."""
 
     @property
     def req_per_s(self) -> float:
@@ -44,15 +47,19 @@ def merged(runs: list[PathRun]) -> PathRun:
     """Rounds of one path as one run: every latency, and the totals (req/s over all rounds)."""
     return PathRun([x for r in runs for x in r.latencies_s], sum(r.failed for r in runs),
                    sum(r.seconds for r in runs), sum(r.client_cpu_s for r in runs),
-                   sum(r.router_cpu_s for r in runs))
+                   sum(r.router_cpu_s for r in runs), sum(r.doubles_cpu_s for r in runs))
 
 
-async def router_path(router: Started, requests: list[SampleRequest], concurrency: int) -> PathRun:
+async def router_path(router: Started, requests: list[SampleRequest], concurrency: int,
+                      doubles_cpu_s: Callable[[], float] | None = None) -> PathRun:
+    """doubles_cpu_s: the CPU seconds so far of the doubles this router calls (measured around
+    the run as the router's own are)."""
     settings = RunSettings(router.endpoint, max_concurrency=concurrency, progress=False)
-    cpu0 = router.cpu_s()
+    cpu0, doubles0 = router.cpu_s(), doubles_cpu_s() if doubles_cpu_s else 0.0
     run = await run_benchmark(settings, requests)
     ok = [o.latency for o in run.outputs if o.success]
-    return PathRun(ok, len(run.outputs) - len(ok), run.duration_s, run.cpu_s, router.cpu_s() - cpu0)
+    return PathRun(ok, len(run.outputs) - len(ok), run.duration_s, run.cpu_s, router.cpu_s() - cpu0,
+                   doubles_cpu_s() - doubles0 if doubles_cpu_s else 0.0)
 
 
 async def direct_call(prefill, decode, request_id: str, prompt_ids: list[int], max_tokens: int) -> float:

@@ -24,13 +24,16 @@ def test_the_router_overhead_benchmark_measures_every_router_in_a_tiny_run():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines()
             if line.split() and line.split()[0] in ("pdserve", "pdserve-x2", "pdserve-grpc", *RUST_ROUTERS)
-            and len(line.split()) == 14 and line.split()[1].isdigit()]
+            and len(line.split()) == 15 and line.split()[1].isdigit()]
     measured = {row[0] for row in rows}
     installed = {name for name in RUST_ROUTERS if rust_router_command(name) is not None}
     assert measured == {"pdserve", "pdserve-x2", "pdserve-grpc", *installed}, run.stdout
     assert sorted((row[0], row[1]) for row in rows) == sorted(
         (name, c) for name in measured for c in ("1", "2"))
     assert {row[-1] for row in rows} == {"0/0"}, run.stdout  # failed: router/direct
+    assert "doubles CPU ms/req" in run.stdout and all(float(row[12]) >= 0 for row in rows), run.stdout
+    # (a tiny run is a few clock ticks of CPU: 0.00 is a fair reading there)
+    assert "CPU per request at 2 in flight, router + doubles + client" in run.stdout
     for name in set(RUST_ROUTERS) - installed:  # named, with the reason, never silently left out
         assert f"skipping {name}: not installed (pip install 'pdserve[bench-peers]')" in run.stdout
     assert "pdserve added p50 at 1 in flight:" in run.stdout
