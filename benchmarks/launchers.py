@@ -38,7 +38,7 @@ import httpx  # noqa: E402
 
 from benchmarks.common import append_results, markdown_table, text_table  # noqa: E402
 from benchmarks.peers.servers import exit_on_sigterm  # noqa: E402
-from tests.e2e.cluster import free_port  # noqa: E402
+from tests.e2e.cluster import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("router", "prefill", "decode", "redis", "launcher", "ray itself")
@@ -107,7 +107,7 @@ def actor_pids(log: str) -> dict[int, str]:
 
 
 def one_run(launcher: str, kv: str) -> tuple[float, dict[str, float]]:
-    port, grpc = free_port(), free_port()
+    port, grpc = free_ports(2)
     # --max-model-len: a 256 MiB cache holds 5,824 tokens where the KV is float32 (a CPU
     # without AVX-512 BF16), less than the model's 8,192; the launchers' memory is the point.
     flags = ["--prefill", "1", "--decode", "1", "--kv-cache-memory", kv, "--max-model-len", "4096",

@@ -60,7 +60,7 @@ from pdserve.bench.datasets import random_requests  # noqa: E402
 from pdserve.bench.main import TOKEN_TIMES  # noqa: E402
 from pdserve.bench.metrics import compute_metrics  # noqa: E402
 from pdserve.bench.runner import RunSettings, run_benchmark  # noqa: E402
-from pdserve.ports import free_port  # noqa: E402
+from pdserve.ports import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def start_cluster(setting: str, args, log: Path) -> tuple[subprocess.Popen, str]:
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_ports(2)
     cmd = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "1", "--kv-cache-memory",
            args.kv_cache_memory, "--port", str(port), "--grpc-port", str(grpc_port), *SETTINGS[setting]]
     if args.max_model_len:

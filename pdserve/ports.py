@@ -40,6 +40,16 @@ def free_port(host: str = LOCALHOST, avoid: Collection[int] = ()) -> int:
     raise RuntimeError(f"no free port found in {LOWEST}..{low - 1} on {host}")
 
 
+def free_ports(count: int, host: str = LOCALHOST, avoid: Collection[int] = ()) -> list[int]:
+    """`count` distinct free ports (free_port each, avoiding the ones picked before it): two
+    picks in a row may draw the same port, nothing having bound the first yet (it happened to
+    a test's --port and --grpc-port)."""
+    picked: list[int] = []
+    for _ in range(count):
+        picked.append(free_port(host, {*avoid, *picked}))
+    return picked
+
+
 def port_is_free(port: int, host: str = LOCALHOST) -> bool:
     """Nothing listens there (TIME_WAIT leftovers of closed connections do not count)."""
     return bind_error(host, port) is None

@@ -152,6 +152,12 @@ def free_port() -> int:
     return pick(HOST)
 
 
+def free_ports(count: int) -> list[int]:
+    from pdserve.ports import free_ports as pick
+
+    return pick(count, HOST)
+
+
 def pdserve_command(*args: str) -> list[str]:
     """`python -m pdserve ...` (the `pdserve` CLI) with this Python, run from the repo root, so
     it works from a checkout whether or not the console script's install is current."""
@@ -180,7 +186,7 @@ def start_pdserve_up(procs: Processes, label: str, flags: Sequence[str], cores: 
                      timeout_s: float = 600.0) -> Server:
     """`pdserve up` on free ports, pinned to `cores`; blocks until it says it is up and
     /health answers."""
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_ports(2)
     cmd = pdserve_command("up", "--host", HOST, "--port", str(port), "--grpc-port", str(grpc_port),
                           "--cluster", f"bench-{os.getpid()}", *flags)
     proc = procs.start(label, cmd, cores=cores)

@@ -24,7 +24,7 @@ import pytest
 
 from tests.deploy import pods
 from tests.deploy.chart import EXAMPLES, NAMESPACE, RELEASE, find, render
-from tests.e2e.cluster import free_port
+from tests.e2e.cluster import free_ports
 from tests.real_model import prompt_token_ids
 
 pytestmark = pytest.mark.slow
@@ -60,8 +60,11 @@ class LocalRelease:
         self.redis = EmbeddedRedis(password=secrets.token_urlsafe(24)).start()
         self.secrets = {(f"{FULL}-cluster", "cluster-secret"): secrets.token_urlsafe(32),
                         (f"{FULL}-redis", "redis-password"): self.redis.password}
-        self.ports = {role: {p["containerPort"]: free_port() for p in self.container(role)["ports"]}
-                      for role in ("router", "prefill", "decode")}
+        wanted = [(role, p["containerPort"]) for role in ("router", "prefill", "decode")
+                  for p in self.container(role)["ports"]]
+        self.ports: dict[str, dict[int, int]] = {}
+        for (role, port), local in zip(wanted, free_ports(len(wanted)), strict=True):  # distinct
+            self.ports.setdefault(role, {})[port] = local
         self.services = {f"{FULL}-redis": {6379: self.redis.port},
                          f"{FULL}-router": {8000: self.ports["router"][8000], 50051: self.ports["router"][50051]}}
         self.processes: dict[str, object] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import free_port, port_is_free  # noqa: F401 - the e2e tests import them from here
+from pdserve.ports import free_port, free_ports, port_is_free  # noqa: F401 - the e2e tests import them from here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,7 +156,7 @@ def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
 
 
 def start_cluster(tmp: Path, *flags: str, timeout_s: float = 600) -> RunningCluster:
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = free_ports(2)
     log = tmp / "pdserve-up.log"
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(http_port), "--grpc-port", str(grpc_port),
            *flags]

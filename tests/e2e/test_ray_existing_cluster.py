@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.cluster import free_port, start_cluster
+from tests.e2e.cluster import free_ports, start_cluster
 from tests.e2e.load import MODEL
 
 pytest.importorskip("ray", reason="the Ray launcher needs pdserve[ray] (the test extras include it)")
@@ -45,8 +45,9 @@ def ray_state(address: str) -> dict:
 def ray_head(tmp_path_factory):
     if subprocess.run(["pgrep", "-f", "gcs_server"], capture_output=True).returncode == 0:
         pytest.skip("another Ray instance runs on this machine")
-    out = subprocess.run([RAY, "start", "--head", f"--port={free_port()}", "--num-cpus=2", "--disable-usage-stats",
-                          f"--dashboard-port={free_port()}"], capture_output=True, text=True, timeout=120, env=ENV)
+    gcs_port, dashboard_port = free_ports(2)
+    out = subprocess.run([RAY, "start", "--head", f"--port={gcs_port}", "--num-cpus=2", "--disable-usage-stats",
+                          f"--dashboard-port={dashboard_port}"], capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (address,) = set(re.findall(r"ray start --address='([^']+)'", out.stdout + out.stderr))
     try:
@@ -72,8 +73,9 @@ def test_up_on_an_existing_cluster_serves_refuses_a_twin_and_down_leaves_the_clu
         assert running["actors"] == ["controller", "decode-0", "prefill-0", "redis", "router"]
         assert running["free"] == 1.0  # 0.5 CPU each for the two workers; router, Redis, controller ask none
 
+        http_port, grpc_port = free_ports(2)
         twin = subprocess.run([sys.executable, "-m", "pdserve", "up", "--launcher", "ray", "--ray-address", ray_head,
-                               "--port", str(free_port()), "--grpc-port", str(free_port())],
+                               "--port", str(http_port), "--grpc-port", str(grpc_port)],
                               capture_output=True, text=True, timeout=120, env=ENV)
         assert twin.returncode == 1
         assert ("pdserve up: cluster 'default' is already running on this Ray cluster (namespace pdserve-default); "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.loader.locate import default_model_path
-from pdserve.ports import free_port
+from pdserve.ports import free_ports
 from proto.auth import CLUSTER_SECRET_ENV
 from tests.tiny_model import write_tiny_model
 
@@ -83,9 +83,10 @@ def test_a_worker_with_a_missing_model_says_so_in_one_line_before_loading_anythi
 
 def test_up_whose_worker_cannot_fit_one_request_prints_the_message_once(tiny_model_dir):
     # A share of free memory: only the worker knows its budget, so `up` cannot refuse it early.
+    http_port, grpc_port = free_ports(2)
     result = run_pdserve("up", "--colocated", "--decode", "1", *tiny_engine_flags(tiny_model_dir),
-                         "--gpu-memory-utilization", "0.0001", "--port", str(free_port()),
-                         "--grpc-port", str(free_port()), "--drain-timeout", "5")
+                         "--gpu-memory-utilization", "0.0001", "--port", str(http_port),
+                         "--grpc-port", str(grpc_port), "--drain-timeout", "5")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     [line] = message_lines(result.stderr)

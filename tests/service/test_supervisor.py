@@ -18,7 +18,7 @@ import pytest
 from engine.loader.locate import default_model_path
 from pdserve.cli import build_parser
 from pdserve.launchers.local import LocalCluster
-from pdserve.redis_server import free_port
+from pdserve.ports import free_ports
 from pdserve.scalers.local import LocalScaler
 from proto.auth import load_cluster_secret
 from router.cluster.keys import worker_key
@@ -129,7 +129,8 @@ def start_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
     """`pdserve up` as a user runs it (tiny model, its own embedded Redis), until it is up."""
     model = write_tiny_model(tmp_path / "tiny")
     log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(free_port()), "--grpc-port", str(free_port()),
+    http_port, grpc_port = free_ports(2)
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(http_port), "--grpc-port", str(grpc_port),
            "--cluster", "ctrlc", "--model", str(model), "--tokenizer", str(default_model_path()),
            "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--num-threads", "1",
            *flags]

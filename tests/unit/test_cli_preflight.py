@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.ports import free_port
+from pdserve.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def router_ports() -> list[str]:
+    """--port and --grpc-port, two distinct free ports."""
+    http, grpc = free_ports(2)
+    return ["--port", str(http), "--grpc-port", str(grpc)]
 
 
 def run_pdserve(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -63,8 +69,8 @@ def test_up_takes_its_ports_from_a_config_file_and_checks_them(taken_port, tmp_p
 
 
 def test_up_refuses_a_kv_cache_that_cannot_hold_one_request_once_before_starting_anything():
-    result, seconds = run_pdserve("up", "--kv-cache-memory", "1MiB", "--dtype", "bfloat16", "--port", str(free_port()),
-                                  "--grpc-port", str(free_port()))
+    result, seconds = run_pdserve("up", "--kv-cache-memory", "1MiB", "--dtype", "bfloat16",
+                                  *router_ports())
     assert (result.returncode, result.stdout) == (2, "")
     [line] = result.stderr.splitlines()
     assert line.startswith("pdserve up: KV cache too small: ")
@@ -76,8 +82,7 @@ def test_up_refuses_a_kv_cache_that_cannot_hold_one_request_once_before_starting
 
 def test_up_refuses_a_model_that_is_not_there_before_starting_anything(tmp_path):
     missing = tmp_path / "none.gguf"
-    result, _ = run_pdserve("up", "--model", str(missing), "--port", str(free_port()),
-                            "--grpc-port", str(free_port()))
+    result, _ = run_pdserve("up", "--model", str(missing), *router_ports())
     assert result.returncode == 2
     assert result.stderr == (f"pdserve up: model '{missing}' is neither a GGUF file nor a folder on this machine "
                              "(pdserve loads local files only; it never downloads from a hub)\n")
@@ -110,15 +115,14 @@ def test_a_redis_url_without_a_scheme_is_refused_when_parsed(command):
 
 
 def test_up_refuses_an_unknown_kv_transfer_backend_before_starting_workers():
-    result, _ = run_pdserve("up", "--kv-transfer", "rdma", "--port", str(free_port()), "--grpc-port", str(free_port()))
+    result, _ = run_pdserve("up", "--kv-transfer", "rdma", *router_ports())
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == ("pdserve up: error: argument --kv-transfer: invalid choice: 'rdma' "
                                               "(choose from 'cuda_ipc', 'gloo', 'local', 'nccl')")
 
 
 def test_up_refuses_nccl_between_local_workers_that_would_share_one_gpu():
-    result, seconds = run_pdserve("up", "--kv-transfer", "nccl", "--port", str(free_port()),
-                                  "--grpc-port", str(free_port()))
+    result, seconds = run_pdserve("up", "--kv-transfer", "nccl", *router_ports())
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == (
         "pdserve up: --kv-transfer nccl needs a GPU per worker (NCCL takes one rank per device), "
@@ -130,7 +134,7 @@ def test_up_refuses_nccl_between_local_workers_that_would_share_one_gpu():
 def test_up_refuses_an_api_key_file_it_cannot_read_before_starting_anything(tmp_path, monkeypatch):
     missing = tmp_path / "api.key"
     monkeypatch.setenv("PDSERVE_API_KEY_FILE", str(missing))
-    result, seconds = run_pdserve("up", "--port", str(free_port()), "--grpc-port", str(free_port()))
+    result, seconds = run_pdserve("up", *router_ports())
     assert (result.returncode, result.stderr) == (
         1, f"pdserve up: PDSERVE_API_KEY_FILE {missing}: cannot read it (No such file or directory)\n")
     assert seconds < 10
@@ -140,7 +144,7 @@ def test_up_refuses_an_empty_admin_key_file(tmp_path, monkeypatch):
     empty = tmp_path / "admin.key"
     empty.write_text("\n")
     monkeypatch.setenv("PDSERVE_ADMIN_KEY_FILE", str(empty))
-    result, _ = run_pdserve("up", "--port", str(free_port()), "--grpc-port", str(free_port()))
+    result, _ = run_pdserve("up", *router_ports())
     assert (result.returncode, result.stderr) == (
         1, f"pdserve up: PDSERVE_ADMIN_KEY_FILE {empty} is empty: refusing to serve without the key it promises\n")
 
@@ -173,7 +177,7 @@ def test_an_unreadable_redis_password_file_is_one_line(command, tmp_path, monkey
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "x" * 32)
     monkeypatch.delenv("PDSERVE_REDIS_PASSWORD", raising=False)
     monkeypatch.setenv("PDSERVE_REDIS_PASSWORD_FILE", str(missing))
-    ports = ["--port", str(free_port()), "--grpc-port", str(free_port())] if command != "decode" else []
+    ports = router_ports() if command != "decode" else []
     result, _ = run_pdserve(command, "--redis-url", "redis://127.0.0.1:1/0", *ports)
     assert (result.returncode, result.stderr) == (
         1, f"pdserve {command}: cannot read the Redis password file {missing} (PDSERVE_REDIS_PASSWORD_FILE): "

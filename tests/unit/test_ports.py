@@ -72,3 +72,13 @@ def test_the_ray_launchers_redis_actor_picks_around_the_routers_ports_too(monkey
     actor = actors.RedisActor.__ray_metadata__.modified_class  # the class under Ray's wrapper
     actor.__init__(object.__new__(actor), "127.0.0.1", (8000, 50051))
     assert made == [{"host": "127.0.0.1", "avoid_ports": (8000, 50051)}]
+
+
+def test_ports_picked_together_are_distinct_even_when_a_draw_repeats(monkeypatch):
+    """Two free_port() in a row once gave a test's --port and --grpc-port the same port
+    (nothing had bound the first yet)."""
+    monkeypatch.setattr(ports, "ephemeral_ports_start", lambda: 32768)
+    draws = iter([21907, 21907, 25000, 26000, 27000])
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(draws))
+    monkeypatch.setattr(ports, "port_is_free", lambda port, host="127.0.0.1": True)
+    assert ports.free_ports(3, avoid={26000}) == [21907, 25000, 27000]
