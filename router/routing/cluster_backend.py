@@ -151,7 +151,7 @@ class ClusterBackend:
         block_size = min((w.block_size for w in snapshot.decode_workers()), default=16)
         hashes = PromptHashes(prompt)  # hashed once for every attempt and the note after
         admitted, queue_s = await self.admission.admit(
-            lambda: self._try_admit(request, trace, hashes), prompt_blocks(len(prompt), block_size))
+            lambda: self._try_admit(request, hashes, trace), prompt_blocks(len(prompt), block_size))
         trace.queue_s = queue_s
         return admitted, queue_s
 
@@ -247,13 +247,12 @@ class ClusterBackend:
         trace.route = RouteSummary(prefill, admitted.decode_id, d.reason, d.inputs, fallback)
         return RouteInfo(admitted.decode_id, prefill, d.reason, d.inputs, queue_s, fallback)
 
-    async def _try_admit(self, request: BackendRequest, trace: BackendTrace | None = None,
-                         hashes: PromptHashes | None = None) -> _Admitted | None:
+    async def _try_admit(self, request: BackendRequest, hashes: PromptHashes,
+                         trace: BackendTrace | None = None) -> _Admitted | None:
         """One admission attempt on a fresh snapshot; None when no decode worker has room.
-        `trace` gets the successful attempt's reservation (its Decode call until the ticket);
-        `hashes`: the prompt's block hashes as far as they were read before."""
+        `hashes`: the prompt's block hashes, kept across attempts; `trace` gets the successful
+        attempt's reservation (its Decode call until the ticket)."""
         snapshot = self._with_own_load(await self._snapshot())
-        hashes = hashes if hashes is not None else PromptHashes(request.prompt_token_ids)
         route = self._route_request(hashes, request.params.max_tokens, snapshot)
         decision = self._choose(route, snapshot, self._rng)
         if decision is None:

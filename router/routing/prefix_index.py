@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from engine.kv_cache.hashing import ROOT_HASH, BlockHash, hash_block
+from engine.kv_cache.hashing import ROOT_HASH, BlockHash, hash_block, hash_full_blocks
 from router.cluster.keys import ClusterSnapshot
 from router.routing.policy import RouteRequest
 
@@ -330,10 +330,11 @@ class PromptHashes:
             i += 1
 
     def all(self, block_size: int) -> tuple[BlockHash, ...]:
-        """Every full block's hash in order."""
-        for _ in self.lazily(block_size):
-            pass
-        return tuple(self._hashed[block_size])
+        """Every full block's hash in order (the rest past what was read, in one go)."""
+        hashed = self._hashed.setdefault(block_size, [])
+        hashed += hash_full_blocks(self.token_ids[len(hashed) * block_size :], block_size,
+                                   hashed[-1] if hashed else ROOT_HASH)
+        return tuple(hashed)
 
 
 def as_prompt_hashes(prompt: Sequence[int] | PromptHashes) -> PromptHashes:

@@ -234,12 +234,27 @@ def test_a_routed_request_makes_its_workers_match_its_prompt_before_any_event():
     assert reader.index.blocks_of("p0") == frozenset(hash_full_blocks(prompt, 16))
 
 
+def count_hashing(monkeypatch, seen) -> None:
+    """seen(token_ids) on every block hashed, one at a time or by hash_full_blocks."""
+    from engine.kv_cache import hashing
+    from router.routing import prefix_index
+
+    real = hashing.hash_block
+
+    def counted(parent, ids):
+        seen(ids)
+        return real(parent, ids)
+
+    monkeypatch.setattr(hashing, "hash_block", counted)
+    monkeypatch.setattr(prefix_index, "hash_block", counted)
+
+
 def test_a_prompts_hashes_are_computed_once_and_only_as_far_as_read(monkeypatch):
     from router.routing import prefix_index
 
+    h32 = tuple(hash_full_blocks(PROMPT, 32))  # before counting starts
     calls = []
-    real = prefix_index.hash_block
-    monkeypatch.setattr(prefix_index, "hash_block", lambda parent, ids: calls.append(len(ids)) or real(parent, ids))
+    count_hashing(monkeypatch, lambda ids: calls.append(len(ids)))
     hashes = prefix_index.PromptHashes(PROMPT + [7])
     index = PrefixIndex()
     index.apply(event("d0", "stored", H[:1]))
@@ -247,7 +262,7 @@ def test_a_prompts_hashes_are_computed_once_and_only_as_far_as_read(monkeypatch)
     assert calls == [16, 16]  # the match stopped at the first block nobody holds
     assert hashes.all(16) == tuple(H) and len(calls) == 4  # the rest, once
     assert hashes.all(16) == tuple(H) and list(hashes.lazily(16)) == H and len(calls) == 4
-    assert hashes.all(32) == tuple(hash_full_blocks(PROMPT, 32)) and len(calls) == 6  # each size apart
+    assert hashes.all(32) == h32 and len(calls) == 6  # each size apart
     assert len(hashes) == 65 and prefix_index.PromptHashes([1, 2]).all(16) == ()
 
 
@@ -259,8 +274,7 @@ def test_routing_then_noting_a_request_hashes_its_prompt_once(monkeypatch):
     snap = snapshot(worker("p0"), worker("d0"))
     reader.note_routed(["d0"], PROMPT, snap)  # d0 holds the whole prompt: routing reads every block
     calls = []
-    real = prefix_index.hash_block
-    monkeypatch.setattr(prefix_index, "hash_block", lambda parent, ids: calls.append(1) or real(parent, ids))
+    count_hashing(monkeypatch, lambda ids: calls.append(1))
     hashes = prefix_index.PromptHashes(PROMPT)
     assert reader.route_request(hashes, 4, snap).cached_blocks == (("d0", 4),)
     reader.note_routed(["p0", "d0"], hashes, snap)
